@@ -1,0 +1,172 @@
+"""Loading GGUF files (llama.cpp's format) into our layout.
+
+Format spec: ggml's `docs/gguf.md` (github.com/ggml-org/ggml). Tensor names and
+metadata keys follow llama.cpp's `convert_hf_to_gguf.py` and `gguf-py/gguf/constants.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+from checkpoints._layout import NameMap, gather
+from model.config import ModelConfig, RopeScaling, get_preset, preset_names
+from model.llama import rope_inv_freq
+
+_NAMES: NameMap = {
+    "embed": ("token_embd.weight", False),
+    "final_norm": ("output_norm.weight", False),
+    "lm_head": ("output.weight", True),
+    "attn_norm": ("blk.{i}.attn_norm.weight", False),
+    "wq": ("blk.{i}.attn_q.weight", True),
+    "wk": ("blk.{i}.attn_k.weight", True),
+    "wv": ("blk.{i}.attn_v.weight", True),
+    "wo": ("blk.{i}.attn_output.weight", True),
+    "bq": ("blk.{i}.attn_q.bias", False),
+    "bk": ("blk.{i}.attn_k.bias", False),
+    "bv": ("blk.{i}.attn_v.bias", False),
+    "mlp_norm": ("blk.{i}.ffn_norm.weight", False),
+    "w_gate": ("blk.{i}.ffn_gate.weight", True),
+    "w_up": ("blk.{i}.ffn_up.weight", True),
+    "w_down": ("blk.{i}.ffn_down.weight", True),
+}
+
+# Architectures whose Q/K rows convert_hf_to_gguf permuted for llama.cpp's interleaved
+# ("normal") RoPE; qwen2 uses NEOX RoPE, which is already our half-split layout.
+_PERMUTED_ARCHS = ("llama",)
+_ARCHS = ("llama", "qwen2")
+
+# Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, `special_eog_ids`),
+# beside the declared eos: chat models end turns with one and documents with another.
+_EOG_TEXTS = frozenset({
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+    "<EOT>", "_<EOT>", "<|end▁of▁sentence|>", "<end_of_utterance>",
+})
+CONTROL = 3  # gguf.TokenType.CONTROL
+USER_DEFINED = 4  # gguf.TokenType.USER_DEFINED
+
+
+def open_reader(reader_or_path: gguf.GGUFReader | str | os.PathLike) -> gguf.GGUFReader:
+    if isinstance(reader_or_path, gguf.GGUFReader):
+        return reader_or_path
+    return gguf.GGUFReader(os.fspath(reader_or_path))
+
+
+def field(reader: gguf.GGUFReader, key: str, default=None):
+    """A metadata value as a Python object (str, number, list), or `default` if absent."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
+    """The declared eos first, then every other control token llama.cpp stops on."""
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    tokens = field(reader, "tokenizer.ggml.tokens", [])
+    types = field(reader, "tokenizer.ggml.token_type", [CONTROL] * len(tokens))
+    eog = [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _EOG_TEXTS]
+    return tuple(dict.fromkeys(([eos] if eos is not None else []) + eog))
+
+
+def _f32(x) -> float:
+    # GGUF stores float32; its shortest decimal (1e-05, not 9.99999974e-06) is what was written.
+    return float(str(np.float32(x)))
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
+    """Recovers Llama-3 scaling parameters from the `rope_freqs.weight` factors tensor.
+
+    convert_hf_to_gguf bakes Llama 3.1+ scaling into per-frequency divisors; our config is
+    parametric, so we accept the file only if Meta's published parameters reproduce it.
+    """
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    factors = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+    factor = float(factors.max())
+    ctx = int(field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+    guess = RopeScaling(factor, 1.0, 4.0, ctx)
+    probe = ModelConfig(name="probe", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
+                        num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
+    base = rope_inv_freq(probe)
+    if not np.allclose(base / factors, rope_inv_freq(probe.replace(rope_scaling=guess)), rtol=1e-4):
+        raise ValueError("rope_freqs.weight does not match Llama-3 scaling (low 1, high 4); unsupported")
+    return guess
+
+
+def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHS)}")
+    k = lambda key, default=None: field(reader, f"{arch}.{key}", default)
+    E, H = int(k("embedding_length")), int(k("attention.head_count"))
+    D = int(k("attention.key_length", E // H))
+    theta = _f32(k("rope.freq_base", 10000.0))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    cfg = ModelConfig(
+        name="gguf", vocab_size=len(tokens) if tokens else int(k("vocab_size")), hidden_size=E,
+        intermediate_size=int(k("feed_forward_length")), num_layers=int(k("block_count")), num_heads=H,
+        num_kv_heads=int(k("attention.head_count_kv", H)), head_dim=D,
+        rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, arch, D, theta),
+        max_position_embeddings=int(k("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(reader),
+    )
+    return cfg.replace(name=_name(cfg, field(reader, "general.name") or arch))
+
+
+def _name(cfg: ModelConfig, general_name: str) -> str:
+    """A preset's name if the geometry is that preset's, so preset-keyed tables apply; else a slug."""
+    geometry = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "tie_word_embeddings", "qkv_bias", "rope_theta", "rope_scaling")
+    for preset in preset_names():
+        p = get_preset(preset)
+        if all(getattr(p, g) == getattr(cfg, g) for g in geometry):
+            return preset
+    return re.sub(r"[^a-z0-9.]+", "-", general_name.lower()).strip("-")
+
+
+def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Reads a GGUF file's config and weights, dequantized to `dtype` (default float32).
+
+    Every tensor type `gguf.quants.dequantize` knows is accepted (F32, F16, BF16, Q4_0..Q8_0,
+    K-quants, IQ*). Returns (config, params) with params named and shaped as `param_specs`.
+    Raises ValueError for an unsupported architecture or tokenizer-less file, NotImplementedError
+    for a tensor type the gguf package cannot dequantize, KeyError for a missing tensor.
+    """
+    reader = open_reader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _config(reader, set(tensors))
+    if dtype is not None:
+        cfg = cfg.replace(dtype=dtype)
+    permuted = field(reader, "general.architecture") in _PERMUTED_ARCHS
+
+    def fetch(name: str) -> np.ndarray:
+        t = tensors[name]
+        if t.tensor_type in (gguf.GGMLQuantizationType.F64, gguf.GGMLQuantizationType.I8,
+                             gguf.GGMLQuantizationType.I16, gguf.GGMLQuantizationType.I32):
+            w = np.asarray(t.data, np.float32)  # already typed by the reader; not quantized
+        else:
+            w = dequantize(t.data, t.tensor_type)  # numpy shape = reversed ggml ne: [out, in]
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
+            w = unpermute_qk(w, heads)
+        return w
+
+    return cfg, gather(cfg, _NAMES, fetch)
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes convert_hf_to_gguf's `permute` of Q/K rows `[N*D, E]` (or bias `[N*D]`).
+
+    llama.cpp rotates interleaved pairs (x0,x1),(x2,x3)...; HF and we rotate halves
+    (x_j, x_{j+D/2}). The converter reorders each head's rows as
+    `reshape(N, 2, D/2, ...).swapaxes(1, 2)`; the inverse swaps back from `(N, D/2, 2, ...)`.
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).swapaxes(1, 2).reshape(w.shape)

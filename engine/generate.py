@@ -1,0 +1,50 @@
+"""Generate text from the command line, streaming it to stdout.
+
+  python -m engine.generate --prompt "What is the capital of France?" --chat --temperature 0
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
+flags.DEFINE_string("prompt", None, "The prompt text.")
+flags.DEFINE_bool("chat", False, "Send the prompt as a user chat message through the model's chat template.")
+flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate.")
+flags.DEFINE_float("temperature", 0.7, "0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1].")
+flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables.")
+flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability.")
+flags.DEFINE_integer("seed", None, "Sampling seed.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
+flags.DEFINE_enum("attention", "reference", ["reference", "pallas"], "Paged attention implementation.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS.prompt:
+        print("error: --prompt is required and must not be empty", file=sys.stderr)
+        return 2
+    from engine import LLM, InvalidRequestError, SamplingParams  # after flag parsing: jax import is slow
+
+    try:
+        params = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
+                                min_p=FLAGS.min_p, seed=FLAGS.seed, max_tokens=FLAGS.max_tokens)
+        params.validate()
+        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention)
+        prompt = [{"role": "user", "content": FLAGS.prompt}] if FLAGS.chat else FLAGS.prompt
+        outputs = llm.generate([prompt], params,
+                               on_output=lambda _, out: print(out.delta_text, end="", flush=True))
+    except (InvalidRequestError, ValueError, KeyError, FileNotFoundError) as e:
+        print(f"\nerror: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(f"\n[finish_reason={outputs[0].finish_reason} tokens={len(outputs[0].token_ids)}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

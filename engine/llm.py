@@ -1,0 +1,83 @@
+"""Offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, Union
+
+from checkpoints.resolve import DEFAULT_MODEL, load_model
+from engine.engine import Engine, EngineConfig, RequestOutput
+from scheduler.request import InvalidRequestError, SamplingParams
+
+# A prompt is text, token ids, or a chat conversation (list of {"role", "content"}).
+Prompt = Union[str, Sequence[int], Sequence[dict]]
+
+
+class LLM:
+    """Loads a model and generates with it.
+
+    Args:
+      model: a preset name, a path (GGUF file, Hugging Face directory, Orbax
+        directory) or the default real model `smollm2-135m-instruct`.
+      dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
+      **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
+    Raises:
+      ValueError: unknown model name or path, bad engine arguments.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str | None = None, **engine_args):
+        loaded = load_model(model, dtype=dtype)
+        self.tokenizer = loaded.tokenizer
+        self.engine = Engine(loaded, EngineConfig(**engine_args))
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt; chat conversations go through the model's chat template."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        prompt = list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise InvalidRequestError(f"chat messages need string 'role' and 'content': {m!r}")
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise InvalidRequestError("a prompt must be a string, a list of token ids or a list of chat messages")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Generates for every prompt; results come back in input order.
+
+        Args:
+          prompts: one prompt or a list of them (see `Prompt`).
+          sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
+          on_output: called as `on_output(index, output)` after every step that
+            gives prompt `index` new tokens (streaming).
+        Raises:
+          InvalidRequestError: naming the first bad prompt; nothing runs then.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        encoded = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                ids = self.encode(p)
+                self.engine.validate(ids, sp)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}") from None
+            encoded.append(ids)
+        index = {}
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        for i, (ids, sp) in enumerate(zip(encoded, params)):
+            index[self.engine.add_request(ids, sp).request_id] = i
+        while any(r is None or not r.finished for r in results):
+            for out in self.engine.step():
+                i = index[out.request_id]
+                results[i] = out
+                if on_output is not None:
+                    on_output(i, out)
+        return results

@@ -1,0 +1,97 @@
+"""The unified jitted step: prefill chunks and decode tokens in one flattened batch.
+
+Selective batching (Yu et al. 2022, Orca §4.2): projections and MLPs see all
+`T` tokens at once; attention is per sequence, through the paged KV pool
+(Kwon et al. 2023, PagedAttention §4.1).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from engine.sampler import sample
+from model.config import ModelConfig
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+
+@struct.dataclass
+class KVPool:
+    """Every layer's K and V blocks."""
+
+    k: jax.Array  # [L, P, B, K, D]
+    v: jax.Array  # [L, P, B, K, D]
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int) -> "KVPool":
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+    @property
+    def num_bytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@struct.dataclass
+class StepBatch:
+    """Device copy of `scheduler.packing.PackedBatch` (same fields and shapes)."""
+
+    token_ids: jax.Array  # int32 [T]
+    positions: jax.Array  # int32 [T]
+    slot_mapping: jax.Array  # int32 [T]
+    query_start_loc: jax.Array  # int32 [S+1]
+    seq_lens: jax.Array  # int32 [S]
+    block_tables: jax.Array  # int32 [S, max_blocks_per_seq]
+    logits_indices: jax.Array  # int32 [S]
+    temperature: jax.Array  # float32 [S]
+    top_k: jax.Array  # int32 [S]
+    top_p: jax.Array  # float32 [S]
+    min_p: jax.Array  # float32 [S]
+    seeds: jax.Array  # uint32 [S]
+
+    @classmethod
+    def from_packed(cls, packed) -> "StepBatch":
+        return cls(**{f: jnp.asarray(getattr(packed, f)) for f in cls.__dataclass_fields__})
+
+
+def paged_attend(batch: StepBatch, attention: Callable = ragged_paged_attention_reference):
+    """An `AttendFn` that writes this step's K/V at `slot_mapping` and reads through the block table."""
+
+    def attend(q, k, v, layer, pool: KVPool):
+        B = pool.k.shape[2]
+        blk, off = batch.slot_mapping // B, batch.slot_mapping % B
+        pool = KVPool(pool.k.at[layer, blk, off].set(k.astype(pool.k.dtype)),
+                      pool.v.at[layer, blk, off].set(v.astype(pool.v.dtype)))
+        out = attention(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.seq_lens,
+                        batch.query_start_loc)
+        return out, pool
+
+    return attend
+
+
+def forward_logits(model, pool: KVPool, batch: StepBatch, attention: Callable):
+    """Logits float32 `[S, V]` at `batch.logits_indices`, and the updated pool."""
+    hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attention), pool)
+    return model.logits(hidden[batch.logits_indices]), pool
+
+
+def make_step(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention_reference):
+    """Returns the jitted `step(state, pool, batch) -> (tokens int32 [S], pool)`.
+
+    The weights (`state`) are an argument, not a constant; the pool is donated
+    so KV writes happen in place.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, pool: KVPool, batch: StepBatch):
+        model = nnx.merge(graphdef, state)
+        logits, pool = forward_logits(model, pool, batch, attention)
+        tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds,
+                        batch.seq_lens)
+        return tokens, pool
+
+    return step

@@ -1,0 +1,194 @@
+"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in Flax NNX.
+
+Layer weights are stacked along a leading `L` axis and the layers run under
+`jax.lax.scan`, so a program's compile time does not grow with depth. The
+forward pass reads and writes a paged KV pool through the attention function
+given to it (paged in the engine, dense in tests).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from model.config import ModelConfig
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Every weight declared once: name -> (shape, logical axes).
+
+    Linear weights are stored `[in, out]` (activations @ weight). Layer weights
+    carry a leading `layers` axis of size L.
+    """
+    E, F, L, H, K, D, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    specs = {
+        "embed": ((V, E), ("vocab", "embed")),
+        "attn_norm": ((L, E), ("layers", "embed")),
+        "wq": ((L, E, H * D), ("layers", "embed", "q_heads")),
+        "wk": ((L, E, K * D), ("layers", "embed", "kv_heads")),
+        "wv": ((L, E, K * D), ("layers", "embed", "kv_heads")),
+        "wo": ((L, H * D, E), ("layers", "q_heads", "embed")),
+        "mlp_norm": ((L, E), ("layers", "embed")),
+        "w_gate": ((L, E, F), ("layers", "embed", "mlp")),
+        "w_up": ((L, E, F), ("layers", "embed", "mlp")),
+        "w_down": ((L, F, E), ("layers", "mlp", "embed")),
+        "final_norm": ((E,), ("embed",)),
+    }
+    if cfg.qkv_bias:
+        specs["bq"] = ((L, H * D), ("layers", "q_heads"))
+        specs["bk"] = ((L, K * D), ("layers", "kv_heads"))
+        specs["bv"] = ((L, K * D), ("layers", "kv_heads"))
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ((E, V), ("embed", "vocab"))
+    return specs
+
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies, float32 `[D/2]`, with Llama-3 scaling if configured.
+
+    Source: Su et al. 2021 (RoFormer) §3.4; Llama-3 scaling as in Meta's
+    reference `apply_scaling` (Llama 3.1 release).
+    """
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    s = cfg.rope_scaling
+    if s is not None:
+        low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+        high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates `x [T, N, D]` by `positions [T]` (half-split layout, as HF Llama)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+# attend(q [T,H,D], k [T,K,D], v [T,K,D], layer, cache) -> (out [T,H,D], cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
+
+
+class Llama(nnx.Module):
+    """Weights of one Llama-family decoder and its forward pass.
+
+    Build it with random weights (`Llama(cfg, rngs=nnx.Rngs(0))`) or from a
+    checkpoint's arrays (`Llama(cfg, params={name: array})`, names and shapes
+    from `param_specs`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None,
+                 params: dict[str, np.ndarray] | None = None):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        specs = param_specs(cfg)
+        if params is not None:
+            missing = sorted(set(specs) - set(params))
+            extra = sorted(set(params) - set(specs))
+            if missing or extra:
+                raise ValueError(f"checkpoint does not match {cfg.name}: missing {missing}, unexpected {extra}")
+        elif rngs is None:
+            raise ValueError("give either rngs (random init) or params (checkpoint arrays)")
+        for name, (shape, _) in specs.items():
+            if params is not None:
+                value = params[name]
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != expected {shape}")
+                value = jnp.asarray(value, dtype)
+            elif name.endswith("norm"):
+                value = jnp.ones(shape, dtype)
+            else:
+                value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+            setattr(self, name, nnx.Param(value))
+        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, attend: AttendFn,
+                 cache: object) -> tuple[jax.Array, object]:
+        """Runs all layers over a flattened batch.
+
+        Args:
+          token_ids: int32 `[T]`.
+          positions: int32 `[T]`, each token's position in its sequence.
+          attend: the attention function (see `AttendFn`); it owns the KV cache.
+          cache: the KV cache pytree threaded through the layers (e.g. the KV pool).
+        Returns:
+          (hidden states `[T, E]` after the final norm, updated cache).
+        """
+        cfg = self.cfg
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = token_ids.shape[0]
+        inv_freq = self.inv_freq[...]
+        layers = {n: getattr(self, n)[...] for n in LAYER_PARAMS if hasattr(self, n)}
+        x = jnp.take(self.embed[...], token_ids, axis=0)
+
+        def layer(carry, xs):
+            x, cache = carry
+            lp, index = xs
+            with jax.named_scope("attention"):
+                h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+                q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+                if cfg.qkv_bias:
+                    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+                q = apply_rope(q.reshape(T, H, D), positions, inv_freq)
+                k = apply_rope(k.reshape(T, K, D), positions, inv_freq)
+                out, cache = attend(q, k, v.reshape(T, K, D), index, cache)
+                x = x + out.reshape(T, H * D).astype(x.dtype) @ lp["wo"]
+            with jax.named_scope("mlp"):
+                h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+                x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+            return (x, cache), None
+
+        (x, cache), _ = jax.lax.scan(layer, (x, cache), (layers, jnp.arange(cfg.num_layers)))
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Projects hidden states `[N, E]` to float32 logits `[N, V]`."""
+        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return (hidden @ w).astype(jnp.float32)
+
+    def dense_logits(self, token_ids: jax.Array) -> jax.Array:
+        """Unpaged causal forward of a padded batch `[S, Lq]` -> float32 logits `[S, Lq, V]`.
+
+        The reference the paged step is tested against; it keeps no cache.
+        """
+        S, Lq = token_ids.shape
+        positions = jnp.tile(jnp.arange(Lq, dtype=jnp.int32), S)
+        segments = jnp.repeat(jnp.arange(S, dtype=jnp.int32), Lq)
+        hidden, _ = self(token_ids.reshape(-1), positions,
+                         lambda q, k, v, _, c: (dense_attention(q, k, v, positions, segments), c), None)
+        return self.logits(hidden).reshape(S, Lq, -1)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                    segments: jax.Array) -> jax.Array:
+    """Causal attention over `[T, *, D]` tokens, masked to the same segment."""
+    T, H, D = q.shape
+    G = H // k.shape[1]
+    qg = q.reshape(T, k.shape[1], G, D).astype(jnp.float32)
+    s = jnp.einsum("tkgd,ukd->kgtu", qg, k.astype(jnp.float32)) / math.sqrt(D)
+    mask = (segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None])
+    p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+    return jnp.einsum("kgtu,ukd->tkgd", p, v.astype(jnp.float32)).reshape(T, H, D).astype(q.dtype)

@@ -1,0 +1,106 @@
+"""Plain-jnp reference of ragged paged attention.
+
+The same contract as the Pallas kernel: a flattened batch of query tokens
+grouped by sequence, each sequence reading its KV through its row of the block
+table. It never materialises a sequence's whole context at once: it walks the
+context in chunks of blocks with an online softmax (Milakov & Gimelshein 2018;
+Dao et al. 2022, FlashAttention §3.1), for as many chunks as the longest
+sequence needs (a dynamic trip count, so no context-length bucket is needed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int):
+    """Per-token sequence index, absolute position and validity.
+
+    Args:
+      query_start_loc: int32 `[S+1]`, cumulative query lengths; padded
+        sequences repeat the last value (query length 0).
+      seq_lens: int32 `[S]`, KV length of each sequence including this step's tokens.
+      num_tokens: static `T`.
+    Returns:
+      (seq_ids int32 `[T]`, positions int32 `[T]`, valid bool `[T]`).
+    """
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    S = seq_lens.shape[0]
+    seq_ids = jnp.clip(jnp.searchsorted(query_start_loc[1:], t, side="right"), 0, S - 1).astype(jnp.int32)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    positions = seq_lens[seq_ids] - q_lens[seq_ids] + (t - query_start_loc[seq_ids])
+    valid = t < query_start_loc[S]
+    return seq_ids, positions, valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Causal attention of ragged query tokens over a paged KV pool.
+
+    Query token `i` of sequence `s` (with query length `n_s` and KV length
+    `seq_lens[s]`) sits at position `seq_lens[s] - n_s + i` and attends to KV
+    positions `0..` that position: the cached prefix plus its own earlier
+    tokens. Serves decode (n_s = 1), chunked prefill and verify windows alike.
+
+    Args:
+      q: `[T, H, D]` queries (float32 or bfloat16).
+      k_pages, v_pages: `[P, B, K, D]` one layer of the KV pool; `H % K == 0` (GQA).
+      block_tables: int32 `[S, max_blocks]`, block ids of each sequence's KV in order.
+      seq_lens: int32 `[S]`, KV length per sequence (0 for padded sequences).
+      query_start_loc: int32 `[S+1]`, cumulative query lengths; tokens at or past
+        `query_start_loc[S]` are padding and get zeros.
+      sm_scale: softmax scale, default `1/sqrt(D)`.
+    Returns:
+      `[T, H, D]` in `q.dtype`; accumulation and softmax are float32.
+    """
+    T, H, D = q.shape
+    _, B, K, _ = k_pages.shape
+    G = H // K
+    S, max_blocks = block_tables.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    # Chunk of blocks per loop step: large for decode, smaller for wide prefill,
+    # so the per-step gather [T, chunk*B, K, D] stays bounded.
+    chunk = max(1, min(max_blocks, max(1, 65536 // max(T, 1) // B)))
+    chunk = 1 << (chunk.bit_length() - 1)
+    n_cols = -(-max_blocks // chunk) * chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_cols - max_blocks)))
+
+    seq_ids, positions, valid = token_layout(query_start_loc, seq_lens, T)
+    qf = q.reshape(T, K, G, D).astype(jnp.float32) * scale
+    kv_len = jnp.where(valid, positions + 1, 0)  # causal limit per token
+    num_chunks = (jnp.max(kv_len) + chunk * B - 1) // (chunk * B)
+
+    def body(c, state):
+        m, l, acc = state
+        cols = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # [S, chunk]
+        blocks = cols[seq_ids]  # [T, chunk]
+        k = k_pages[blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
+        v = v_pages[blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
+        s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
+        kv_pos = c * chunk * B + jnp.arange(chunk * B)
+        mask = kv_pos[None, :] < kv_len[:, None]  # [T, chunk*B]
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        correction = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        l = l * correction + jnp.sum(p, axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((T, K, G), -jnp.inf, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
+            jnp.zeros((T, K, G, D), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(T, H, D).astype(q.dtype)

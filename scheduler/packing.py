@@ -1,0 +1,90 @@
+"""Turns a StepPlan into the padded numpy arrays of the unified step (host only)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from scheduler.scheduler import StepPlan
+
+
+def power_of_two_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to and including `limit` (appended if not a power of two)."""
+    buckets = [1]
+    while buckets[-1] * 2 < limit:
+        buckets.append(buckets[-1] * 2)
+    if buckets[-1] < limit:
+        buckets.append(limit)
+    return tuple(buckets)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n; raises ValueError if n exceeds the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """One step's inputs, padded to a (token bucket T, sequence bucket S) shape."""
+
+    token_ids: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int32 [T]
+    slot_mapping: np.ndarray  # int32 [T]; padding tokens write to slot 0 (reserved block 0)
+    query_start_loc: np.ndarray  # int32 [S+1]; padded sequences have query length 0
+    seq_lens: np.ndarray  # int32 [S]; KV length after this step, 0 for padding
+    block_tables: np.ndarray  # int32 [S, max_blocks_per_seq]
+    logits_indices: np.ndarray  # int32 [S]; last token of each sequence
+    temperature: np.ndarray  # float32 [S]
+    top_k: np.ndarray  # int32 [S]
+    top_p: np.ndarray  # float32 [S]
+    min_p: np.ndarray  # float32 [S]
+    seeds: np.ndarray  # uint32 [S]
+    num_seqs: int  # real sequences (the rest is padding)
+
+
+def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets: tuple[int, ...],
+         seq_buckets: tuple[int, ...], seeds: dict[str, int]) -> PackedBatch:
+    """Packs `plan` into the smallest (token, sequence) bucket that holds it.
+
+    `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
+    """
+    n_seqs = len(plan.seqs)
+    T = bucket_for(max(plan.num_tokens, 1), token_buckets)
+    S = bucket_for(max(n_seqs, 1), seq_buckets)
+    token_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.zeros(T, np.int32)
+    query_start_loc = np.zeros(S + 1, np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    temperature = np.zeros(S, np.float32)
+    top_k = np.zeros(S, np.int32)
+    top_p = np.ones(S, np.float32)
+    min_p = np.zeros(S, np.float32)
+    seed_arr = np.zeros(S, np.uint32)
+    t = 0
+    for i, s in enumerate(plan.seqs):
+        r = s.request
+        end = s.start + s.num_new_tokens
+        blocks = np.asarray(r.allocation.block_ids, np.int32)
+        pos = np.arange(s.start, end, dtype=np.int32)
+        token_ids[t:t + s.num_new_tokens] = r.all_token_ids[s.start:end]
+        positions[t:t + s.num_new_tokens] = pos
+        slot_mapping[t:t + s.num_new_tokens] = blocks[pos // block_size] * block_size + pos % block_size
+        t += s.num_new_tokens
+        query_start_loc[i + 1] = t
+        seq_lens[i] = end
+        block_tables[i, :len(blocks)] = blocks
+        logits_indices[i] = t - 1
+        sp = r.sampling
+        temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
+        seed_arr[i] = seeds[r.request_id]
+    query_start_loc[n_seqs + 1:] = t
+    return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, n_seqs)

@@ -1,0 +1,123 @@
+"""Requests, their sampling parameters and their state machine (host only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message says which field and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (vLLM's names and defaults).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; 0 disables.
+    top_p: keep the smallest set whose probability reaches top_p; 1 disables.
+    min_p: drop tokens below min_p times the most likely token's probability.
+    seed: makes sampling reproducible and independent of the batch; None
+      draws one at random.
+    max_tokens: upper bound on generated tokens.
+    stop: strings that end generation; the matched string is not returned.
+    stop_token_ids: token ids that end generation (besides the model's EOS).
+    ignore_eos: keep generating past EOS (benchmarks).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the first bad field."""
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler tracks it.
+
+    `num_computed_tokens` counts tokens whose KV is in the pool; the request
+    needs a step for the rest (`num_tokens - num_computed_tokens`): its whole
+    prompt at first (possibly in chunks), then one token per decode step.
+    """
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
+    priority: int = 0  # lower runs first
+    arrival: int = dataclasses.field(default_factory=lambda: next(_ids))
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    allocation: object = None  # the block manager's opaque handle
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Records a sampled token; returns the finish reason it causes, if any."""
+        self.output_token_ids.append(token_id)
+        sp = self.sampling
+        if not sp.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in sp.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
