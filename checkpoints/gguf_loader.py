@@ -66,7 +66,7 @@ def eos_token_ids(reader: gguf.GGUFReader) -> tuple[int, ...]:
     """The declared eos first, then every other control token llama.cpp stops on."""
     eos = field(reader, "tokenizer.ggml.eos_token_id")
     tokens = field(reader, "tokenizer.ggml.tokens", [])
-    types = field(reader, "tokenizer.ggml.token_type", [CONTROL] * len(tokens))
+    types = field(reader, "tokenizer.ggml.token_type") or [CONTROL] * len(tokens)  # untyped: by text alone
     eog = [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and t in _EOG_TEXTS]
     return tuple(dict.fromkeys(([eos] if eos is not None else []) + eog))
 
@@ -76,19 +76,19 @@ def _f32(x) -> float:
     return float(str(np.float32(x)))
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
+def _rope_scaling(reader: gguf.GGUFReader, head_dim: int, theta: float) -> RopeScaling | None:
     """Recovers Llama-3 scaling parameters from the `rope_freqs.weight` factors tensor.
 
-    convert_hf_to_gguf bakes Llama 3.1+ scaling into per-frequency divisors; our config is
-    parametric, so we accept the file only if Meta's published parameters reproduce it.
+    convert_hf_to_gguf bakes Llama 3.1+ scaling into per-frequency divisors and keeps no
+    parameters; our config is parametric, so we accept the file only if Llama 3's low/high
+    frequency factors (1, 4) and the converter's original context (8192: it reads a top-level
+    `original_max_position_embeddings` that Llama 3 configs lack) reproduce it.
     """
     t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if t is None:
         return None
     factors = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
-    factor = float(factors.max())
-    ctx = int(field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
-    guess = RopeScaling(factor, 1.0, 4.0, ctx)
+    guess = RopeScaling(float(factors.max()), 1.0, 4.0, 8192)
     probe = ModelConfig(name="probe", vocab_size=1, hidden_size=head_dim, intermediate_size=1, num_layers=1,
                         num_heads=1, num_kv_heads=1, head_dim=head_dim, rope_theta=theta)
     base = rope_inv_freq(probe)
@@ -105,14 +105,16 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
     E, H = int(k("embedding_length")), int(k("attention.head_count"))
     D = int(k("attention.key_length", E // H))
     theta = _f32(k("rope.freq_base", 10000.0))
-    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = len(field(reader, "tokenizer.ggml.tokens", [])) or k("vocab_size")
+    if not vocab:
+        raise ValueError("GGUF file has neither tokenizer.ggml.tokens nor a vocab_size")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     cfg = ModelConfig(
-        name="gguf", vocab_size=len(tokens) if tokens else int(k("vocab_size")), hidden_size=E,
+        name="gguf", vocab_size=int(vocab), hidden_size=E,
         intermediate_size=int(k("feed_forward_length")), num_layers=int(k("block_count")), num_heads=H,
         num_kv_heads=int(k("attention.head_count_kv", H)), head_dim=D,
         rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, arch, D, theta),
+        rope_scaling=_rope_scaling(reader, D, theta),
         max_position_embeddings=int(k("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(reader),
@@ -131,12 +133,13 @@ def _name(cfg: ModelConfig, general_name: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", general_name.lower()).strip("-")
 
 
-def load_gguf(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Reads a GGUF file's config and weights, dequantized to `dtype` (default float32).
+def load_gguf(path: str | os.PathLike | gguf.GGUFReader,
+              dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Reads a GGUF file's (or open reader's) config and weights, dequantized to `dtype` (default float32).
 
     Every tensor type `gguf.quants.dequantize` knows is accepted (F32, F16, BF16, Q4_0..Q8_0,
     K-quants, IQ*). Returns (config, params) with params named and shaped as `param_specs`.
-    Raises ValueError for an unsupported architecture or tokenizer-less file, NotImplementedError
+    Raises ValueError for an unsupported architecture or unknown vocabulary size, NotImplementedError
     for a tensor type the gguf package cannot dequantize, KeyError for a missing tensor.
     """
     reader = open_reader(path)

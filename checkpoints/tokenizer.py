@@ -87,8 +87,9 @@ class Tokenizer:
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None, bos_token_id: int | None,
-                 eos_token_ids: tuple[int, ...], add_bos_token: bool = False):
+                 eos_token_ids: tuple[int, ...], add_bos_token: bool = False, vocab_size: int | None = None):
         self._tok = backend
+        self._vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self._bos = bos_token_id
         self._eos = tuple(eos_token_ids)
@@ -137,8 +138,10 @@ class Tokenizer:
 
         Raises FileNotFoundError when there is no `tokenizer.json`.
         """
-        path = os.fspath(path)
-        backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        file = os.path.join(os.fspath(path), "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        path, backend = os.fspath(path), tokenizers.Tokenizer.from_file(file)
         tc = _read_json(os.path.join(path, "tokenizer_config.json"))
         template = tc.get("chat_template")
         if os.path.exists(os.path.join(path, "chat_template.jinja")):
@@ -167,7 +170,7 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
         return cls(backend, chat_template=_BYTE_CHAT_TEMPLATE, bos_token_id=bos_token_id,
-                   eos_token_ids=eos_token_ids)
+                   eos_token_ids=eos_token_ids, vocab_size=vocab_size)
 
     # --- use --------------------------------------------------------------------------------
 
@@ -195,7 +198,7 @@ class Tokenizer:
 
     def with_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> "Tokenizer":
         return Tokenizer(self._tok, chat_template=self.chat_template, bos_token_id=self._bos,
-                         eos_token_ids=eos_token_ids, add_bos_token=self._add_bos)
+                         eos_token_ids=eos_token_ids, add_bos_token=self._add_bos, vocab_size=self._vocab_size)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes `tokenizer.json` and `tokenizer_config.json` (readable by `from_hf_dir` and transformers)."""
@@ -219,7 +222,8 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        """The model's vocabulary size V (for the byte-level tokenizer, ids >= 256 are unused)."""
+        return self._vocab_size
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

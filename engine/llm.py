@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, Union
 
-from checkpoints.resolve import DEFAULT_MODEL, load_model
+from checkpoints import DEFAULT_MODEL, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 

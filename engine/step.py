@@ -66,8 +66,7 @@ def paged_attend(batch: StepBatch, attention: Callable = ragged_paged_attention_
         blk, off = batch.slot_mapping // B, batch.slot_mapping % B
         pool = KVPool(pool.k.at[layer, blk, off].set(k.astype(pool.k.dtype)),
                       pool.v.at[layer, blk, off].set(v.astype(pool.v.dtype)))
-        out = attention(q, pool.k[layer], pool.v[layer], batch.block_tables, batch.seq_lens,
-                        batch.query_start_loc)
+        out = attention(q, pool.k, pool.v, batch.block_tables, batch.seq_lens, batch.query_start_loc, layer)
         return out, pool
 
     return attend

@@ -43,6 +43,7 @@ def ragged_paged_attention_reference(
     block_tables: jax.Array,
     seq_lens: jax.Array,
     query_start_loc: jax.Array,
+    layer: jax.Array,
     *,
     sm_scale: float | None = None,
 ) -> jax.Array:
@@ -55,23 +56,25 @@ def ragged_paged_attention_reference(
 
     Args:
       q: `[T, H, D]` queries (float32 or bfloat16).
-      k_pages, v_pages: `[P, B, K, D]` one layer of the KV pool; `H % K == 0` (GQA).
+      k_pages, v_pages: `[L, P, B, K, D]` the KV pool; `H % K == 0` (GQA).
       block_tables: int32 `[S, max_blocks]`, block ids of each sequence's KV in order.
       seq_lens: int32 `[S]`, KV length per sequence (0 for padded sequences).
       query_start_loc: int32 `[S+1]`, cumulative query lengths; tokens at or past
         `query_start_loc[S]` are padding and get zeros.
+      layer: int32 scalar, the layer to read (the pool is not sliced, so no
+        layer-sized copy is made).
       sm_scale: softmax scale, default `1/sqrt(D)`.
     Returns:
       `[T, H, D]` in `q.dtype`; accumulation and softmax are float32.
     """
     T, H, D = q.shape
-    _, B, K, _ = k_pages.shape
+    _, _, B, K, _ = k_pages.shape
     G = H // K
     S, max_blocks = block_tables.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    # Chunk of blocks per loop step: large for decode, smaller for wide prefill,
+    # Blocks per loop step: up to 128 tokens for decode, fewer for wide prefill,
     # so the per-step gather [T, chunk*B, K, D] stays bounded.
-    chunk = max(1, min(max_blocks, max(1, 65536 // max(T, 1) // B)))
+    chunk = max(1, min(max_blocks, min(128, 65536 // T) // B))
     chunk = 1 << (chunk.bit_length() - 1)
     n_cols = -(-max_blocks // chunk) * chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, n_cols - max_blocks)))
@@ -85,9 +88,10 @@ def ragged_paged_attention_reference(
         m, l, acc = state
         cols = jax.lax.dynamic_slice_in_dim(tables, c * chunk, chunk, axis=1)  # [S, chunk]
         blocks = cols[seq_ids]  # [T, chunk]
-        k = k_pages[blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
-        v = v_pages[blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
-        s = jnp.einsum("tkgd,tckd->tkgc", qf, k)
+        k = k_pages[layer, blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
+        v = v_pages[layer, blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
+        # Broadcast-multiply-reduce: XLA:CPU fuses it, unlike T tiny batched dots.
+        s = jnp.sum(qf[:, :, :, None, :] * k.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=-1)
         kv_pos = c * chunk * B + jnp.arange(chunk * B)
         mask = kv_pos[None, :] < kv_len[:, None]  # [T, chunk*B]
         s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
@@ -96,7 +100,7 @@ def ragged_paged_attention_reference(
         p = jnp.exp(s - m_safe[..., None])
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * correction + jnp.sum(p, axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgc,tckd->tkgd", p, v)
+        acc = acc * correction[..., None] + jnp.sum(p[..., None] * v.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=3)
         return m_new, l, acc
 
     init = (jnp.full((T, K, G), -jnp.inf, jnp.float32), jnp.zeros((T, K, G), jnp.float32),

@@ -1,0 +1,148 @@
+"""Hugging Face checkpoint directories: `config.json` plus single or sharded `*.safetensors`.
+
+Format spec: the safetensors README (github.com/huggingface/safetensors): an 8-byte
+little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the
+raw little-endian data. Tensor names are transformers' `LlamaForCausalLM`/`Qwen2ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+
+from checkpoints._layout import NameMap, cast, gather, scatter
+from model.config import ModelConfig
+
+_NAMES: NameMap = {
+    "embed": ("model.embed_tokens.weight", False),
+    "final_norm": ("model.norm.weight", False),
+    "lm_head": ("lm_head.weight", True),
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
+    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
+    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
+    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
+    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
+    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
+    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
+    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
+    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
+    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+}
+
+# The numpy API of safetensors has no bfloat16, so tensors are memory-mapped by hand.
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+
+
+def _open_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-maps every tensor of one `.safetensors` file (no copy until cast)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        dt = np.dtype(_DTYPES[info["dtype"]])
+        out[name] = np.memmap(path, dtype=dt, mode="r", offset=8 + n + begin,
+                              shape=(end - begin) // dt.itemsize).reshape(info["shape"])
+    return out
+
+
+def _checkpoint_dtype(hf: dict) -> str:
+    # transformers 5 writes `dtype`, 4.x `torch_dtype`; anything not bf16 computes in float32.
+    return "bfloat16" if (hf.get("dtype") or hf.get("torch_dtype")) == "bfloat16" else "float32"
+
+
+def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Reads a transformers Llama/Mistral/Qwen2 directory into (config, params).
+
+    Params are numpy arrays named and shaped as `param_specs(config)`, in `dtype` (default: the
+    checkpoint's dtype when bfloat16, else float32). Raises FileNotFoundError when there is no
+    `config.json` or no safetensors, ValueError for an unsupported model type or tensor dtype,
+    KeyError for a tensor the config needs but the files lack.
+    """
+    path = os.fspath(path)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    cfg = ModelConfig.from_hf_config(path)
+    cfg = cfg.replace(dtype=dtype or _checkpoint_dtype(hf))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    tensors = {}
+    for name in files:
+        tensors.update(_open_safetensors(os.path.join(path, name)))
+
+    def fetch(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"{path} has no tensor {name!r}")
+        return tensors[name]
+
+    return cfg, gather(cfg, _NAMES, fetch)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The transformers `config.json` for `cfg` (qkv_bias -> Qwen2, else Llama)."""
+    qwen = cfg.qkv_bias
+    rope_scaling = None
+    if cfg.rope_scaling is not None:
+        rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
+    # transformers 5 reads `rope_parameters`; 4.x reads `rope_theta` and `rope_scaling`.
+    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(rope_scaling or {})}
+    eos = list(cfg.eos_token_ids)
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "_name_or_path": cfg.name,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,  # Llama's flag also adds an o_proj bias, which we do not have
+        "mlp_bias": False,
+        "use_sliding_window": False,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": cfg.dtype,
+    }
+
+
+def save_hf_dir(cfg: ModelConfig, params: dict[str, np.ndarray], path: str | os.PathLike,
+                tokenizer=None) -> None:
+    """Writes `config.json` and `model.safetensors` (and the tokenizer's files if given) so that
+    `load_hf_dir` and transformers' `from_pretrained` read it back. Params are saved in
+    `cfg.dtype`; tied embeddings are written once (no `lm_head.weight`)."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = scatter(cfg, _NAMES, cast(params, cfg.dtype))
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save(path)
+
