@@ -1,0 +1,444 @@
+"""Decode throughput, prefill latency and the memory-bandwidth roofline, real model, fp32, CPU.
+
+Compares this engine with Hugging Face transformers on the same machine and
+the same prompt token ids (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to
+float32 by both), and against a roofline measured in the same run.
+
+  python benchmarks/decode_throughput.py [--batch_sizes=1,8] [--decode_tokens=64]
+      [--prefill_len=512] [--repeats=3] [--skip_transformers]
+
+What is measured (medians over --repeats, after a warm-up run so no
+compilation is timed):
+
+* engine decode: the requests are added, the step(s) that prefill them (and
+  sample their first token) run untimed, then every following `Engine.step()`
+  is timed with the wall clock until all requests have `decode_tokens` tokens.
+  The timed steps are whole engine steps: scheduling, packing, host-to-device
+  copies, the jitted forward + sampling, the token read-back, detokenizing.
+  tok/s = batch * decode steps / time; ms/step = time / decode steps.
+* transformers decode: greedy `generate` (min_new_tokens = max_new_tokens, so
+  no early stop), inference_mode, left-padded batch with an attention mask.
+  Decode-only time per step = (t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1),
+  each t the median over repeats.
+* roofline: copy bandwidth BW = (bytes read + bytes written) / time of
+  `np.copyto` between two preallocated --copy_mb arrays (the best of 1 thread and
+  one thread per CPU, each over several repeats). Batch-1 decode must read every weight once per
+  token, so roofline tok/s = BW / weight bytes, where weight bytes = all
+  parameters in fp32, the tied embedding counted once (read as the LM head;
+  the embedding-row lookup is negligible). KV-cache reads (~1% here) are ignored.
+* prefill: time to first token of one --prefill_len-token prompt (real text from
+  long_context.jsonl, truncated) in one engine step (max_num_batched_tokens >=
+  prefill_len), vs a transformers forward on the same ids with logits_to_keep=1
+  (what `generate` does for its prefill) plus the argmax.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.")
+flags.DEFINE_integer("decode_tokens", 64, "Tokens generated per request (the first comes from prefill).")
+flags.DEFINE_integer("prefill_len", 512, "Prompt length of the prefill (TTFT) measurement.")
+flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (medians are reported).")
+flags.DEFINE_bool("skip_transformers", False, "Skip the Hugging Face transformers baseline.")
+flags.DEFINE_integer("copy_mb", 512, "Size of each array in the bandwidth measurement, MiB (>= 256).")
+flags.DEFINE_bool("breakdown", True, "Also time the pieces of an engine decode step (host vs device).")
+
+FALLBACK_PROMPTS = [
+    "Explain why the sky is blue in a few sentences.",
+    "Write a short poem about the sea.",
+    "What are three tips for staying productive when working from home?",
+    "Summarize the plot of Romeo and Juliet.",
+    "How does a refrigerator keep food cold?",
+    "Give me a recipe for a simple tomato soup.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe a sunrise over the mountains.",
+]
+FALLBACK_LONG = ("The history of computing spans centuries, from the abacus and mechanical calculators "
+                 "to electronic computers, transistors, integrated circuits and networks. ") * 64
+
+
+# ---- inputs --------------------------------------------------------------------------------
+
+def prompts_dir() -> str | None:
+    """`shared/data/prompts` beside the repository or inside it."""
+    for base in (os.path.dirname(ROOT), ROOT):
+        path = os.path.join(base, "shared", "data", "prompts")
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def read_jsonl(name: str, n: int) -> list[str] | None:
+    d = prompts_dir()
+    path = os.path.join(d, name) if d else None
+    if not path or not os.path.isfile(path):
+        return None
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line)["prompt"])
+            if len(out) == n:
+                break
+    return out if len(out) == n else None
+
+
+# ---- roofline ------------------------------------------------------------------------------
+
+def copy_bandwidth(mib: int, repeats: int) -> dict:
+    """(bytes read + bytes written) / s of np.copyto, 1 thread and one per CPU; best of each."""
+    n = mib * (1 << 20) // 4
+    src = np.ones(n, np.float32)
+    dst = np.zeros(n, np.float32)  # touched: no page faults in the timed copies
+    threads = os.cpu_count() or 1
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+
+    def parallel_copy():  # np.copyto releases the GIL for plain dtypes
+        list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                      range(threads)))
+
+    result = {}
+    for name, fn in (("1 thread", lambda: np.copyto(dst, src)), (f"{threads} threads", parallel_copy)):
+        fn()  # warm-up
+        times = []
+        for _ in range(max(5, repeats)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        result[name] = 2 * src.nbytes / min(times)  # best: the machine's capability under noise
+    pool.shutdown()
+    del src, dst
+    return result
+
+
+# ---- engine --------------------------------------------------------------------------------
+
+def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int):
+    """Runs one batch; returns (decode seconds, decode steps, tokens per request)."""
+    from engine import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
+    while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill (untimed)
+        engine.step()
+    steps, total = 0, 0.0
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        total += time.perf_counter() - t
+        steps += 1
+    return total, steps, [list(r.output_token_ids) for r in reqs]
+
+
+def engine_ttft(engine, ids: list[int]) -> float:
+    from engine import SamplingParams
+    t = time.perf_counter()
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not engine.step():
+        pass
+    dt = time.perf_counter() - t
+    assert not engine.has_unfinished()
+    return dt
+
+
+def engine_step_breakdown(engine, prompt_ids: list[list[int]], n_tokens: int) -> dict:
+    """Per-decode-step milliseconds of the pieces of Engine.step, by wrapping them (no code edits).
+
+    The wrapped jitted step blocks until its result is ready, so "device" is the
+    XLA computation (plus dispatch), and everything else is host work.
+    """
+    import jax
+    import engine.engine as engine_mod
+
+    acc = {"schedule": 0.0, "pack": 0.0, "to_device": 0.0, "jit step (device)": 0.0, "append+detok": 0.0}
+    orig = (engine.scheduler.schedule, engine_mod.pack, engine_mod.StepBatch, engine._step, engine._append)
+
+    def timed(key, fn, block=False):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            if block:
+                out = jax.block_until_ready(out)
+            acc[key] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    class StepBatchShim:
+        from_packed = staticmethod(timed("to_device", lambda p: jax.block_until_ready(orig[2].from_packed(p))))
+
+    engine.scheduler.schedule = timed("schedule", orig[0])
+    engine_mod.pack = timed("pack", orig[1])
+    engine_mod.StepBatch = StepBatchShim
+    engine._step = timed("jit step (device)", orig[3], block=True)
+    engine._append = timed("append+detok", orig[4])
+    try:
+        from engine import SamplingParams
+        sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+        reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
+        while any(len(r.output_token_ids) == 0 for r in reqs):
+            engine.step()
+        for k in acc:
+            acc[k] = 0.0
+        steps, total = 0, 0.0
+        while engine.has_unfinished():
+            t = time.perf_counter()
+            engine.step()
+            total += time.perf_counter() - t
+            steps += 1
+    finally:
+        engine.scheduler.schedule = orig[0]
+        engine_mod.pack, engine_mod.StepBatch = orig[1], orig[2]
+        engine._step = orig[3]
+        del engine.__dict__["_append"]  # back to the class method
+    out = {k: 1e3 * v / steps for k, v in acc.items()}
+    out["other"] = 1e3 * total / steps - sum(out.values())
+    out["total"] = 1e3 * total / steps
+    return out
+
+
+def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
+    """Median ms of the jitted step alone on a fixed decode batch (inputs already on device)."""
+    import jax
+    from engine import SamplingParams
+    from engine.engine import StepBatch, pack
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
+    while any(len(r.output_token_ids) == 0 for r in reqs):
+        engine.step()
+    plan = engine.scheduler.schedule()  # the decode step, planned but never committed
+    packed = pack(plan, engine.config.block_size, engine.max_blocks_per_seq, engine.token_buckets,
+                  engine.seq_buckets, engine._seeds)
+    batch = jax.block_until_ready(StepBatch.from_packed(packed))
+    times = []
+    for _ in range(max(10, 3 * repeats)):
+        t = time.perf_counter()
+        tokens, engine.pool = engine._step(engine.state, engine.pool, batch)
+        jax.block_until_ready(tokens)
+        times.append(time.perf_counter() - t)
+    for r in reqs:
+        engine.abort(r.request_id)
+    return 1e3 * statistics.median(times)
+
+
+# ---- transformers --------------------------------------------------------------------------
+
+def hf_setup(gguf_path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count() or 1)
+    d, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_batch(prompt_ids: list[list[int]], pad_id: int):
+    import torch
+    n = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), n), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left padding
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    return ids, mask
+
+
+def hf_generate(model, ids, mask, n: int, pad_id: int):
+    import torch
+    from transformers import GenerationConfig
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id,
+                          eos_token_id=model.generation_config.eos_token_id, use_cache=True)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        dt = time.perf_counter() - t
+    return dt, out[:, ids.shape[1]:].tolist()
+
+
+def hf_prefill(model, ids: list[int]) -> float:
+    import torch
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        t = time.perf_counter()
+        logits = model(input_ids=x, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+        return time.perf_counter() - t
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def fmt(x, spec=".1f", suffix=""):
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def main(argv):
+    del argv
+    t_start = time.perf_counter()
+    import jax
+    import torch
+    from checkpoints import default_gguf_path
+    from engine import LLM
+
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    N, R = FLAGS.decode_tokens, FLAGS.repeats
+    if N < 2:
+        raise app.UsageError("--decode_tokens must be >= 2 (the first token comes from prefill)")
+    if FLAGS.copy_mb < 256:
+        raise app.UsageError("--copy_mb must be >= 256")
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+
+    # Inputs.
+    chat = read_jsonl("chat.jsonl", max(batch_sizes))
+    source = "chat.jsonl" if chat else "built-in list"
+    chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
+    long_text = (read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0]
+
+    llm = LLM(dtype="float32", max_num_batched_tokens=max(512, FLAGS.prefill_len))
+    engine = llm.engine
+    prompt_ids = [llm.encode([{"role": "user", "content": p}]) for p in chat]
+    long_ids = llm.tokenizer.encode(long_text)[:FLAGS.prefill_len]
+    if len(long_ids) < FLAGS.prefill_len:
+        long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.state))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(engine.state))
+
+    # Roofline.
+    log("measuring copy bandwidth ...")
+    bw = copy_bandwidth(FLAGS.copy_mb, R)
+    bw_best = max(bw.values())
+    roofline_tps = bw_best / weight_bytes
+
+    # Engine decode.
+    eng = {}
+    eng_tokens = {}
+    for b in batch_sizes:
+        log(f"engine decode, batch {b} ...")
+        engine_decode(engine, prompt_ids[:b], N)  # warm-up: compiles the prefill and decode shapes
+        runs = [engine_decode(engine, prompt_ids[:b], N) for _ in range(R)]
+        eng_tokens[b] = runs[0][2]
+        per_step = statistics.median(r[0] / r[1] for r in runs)
+        eng[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "steps": runs[0][1],
+                  "all_ms": [1e3 * r[0] / r[1] for r in runs]}
+
+    # Engine prefill (TTFT).
+    log("engine prefill ...")
+    engine_ttft(engine, long_ids)  # warm-up
+    eng_ttft = statistics.median(engine_ttft(engine, long_ids) for _ in range(R))
+
+    # Breakdown of an engine decode step.
+    breakdown, pure = {}, {}
+    if FLAGS.breakdown:
+        for b in batch_sizes:
+            log(f"engine step breakdown, batch {b} ...")
+            breakdown[b] = engine_step_breakdown(engine, prompt_ids[:b], N)
+            pure[b] = pure_step_ms(engine, prompt_ids[:b], R)
+
+    # Transformers.
+    hf, hf_ttft, agree = {}, None, {}
+    if not FLAGS.skip_transformers:
+        log("loading transformers model ...")
+        model = hf_setup(default_gguf_path())
+        pad_id = model.generation_config.pad_token_id
+        pad_id = pad_id if pad_id is not None else 0
+        for b in batch_sizes:
+            log(f"transformers decode, batch {b} ...")
+            ids, mask = hf_batch(prompt_ids[:b], pad_id)
+            hf_generate(model, ids, mask, N, pad_id)  # warm-up
+            t1 = statistics.median(hf_generate(model, ids, mask, 1, pad_id)[0] for _ in range(R))
+            runs = [hf_generate(model, ids, mask, N, pad_id) for _ in range(R)]
+            tN = statistics.median(r[0] for r in runs)
+            per_step = (tN - t1) / (N - 1)
+            hf[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "t1": t1, "tN": tN}
+            # Greedy agreement: tokens before the first divergence, per request.
+            agree[b] = [next((i for i, (x, y) in enumerate(zip(e, h)) if x != y), min(len(e), len(h)))
+                        for e, h in zip(eng_tokens[b], runs[0][1])]
+        log("transformers prefill ...")
+        hf_prefill(model, long_ids)  # warm-up
+        hf_ttft = statistics.median(hf_prefill(model, long_ids) for _ in range(R))
+
+    # Report.
+    runtime = time.perf_counter() - t_start
+    cpus = os.cpu_count()
+    print(f"# Decode throughput — SmolLM2-135M-Instruct fp32 ({n_params / 1e6:.1f}M params), CPU")
+    print()
+    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')} | host {platform.node()} | "
+          f"{cpus} CPUs ({platform.processor() or platform.machine()}) | jax {jax.__version__} "
+          f"({jax.default_backend()}) | torch {torch.__version__} | torch threads {torch.get_num_threads()} | "
+          f"python {platform.python_version()}")
+    print(f"prompts: first {max(batch_sizes)} of {source}, chat-templated, lengths "
+          f"{[len(p) for p in prompt_ids]}; greedy, ignore_eos, {N} tokens/request "
+          f"({N - 1} timed decode steps); prefill: {len(long_ids)} tokens of long_context text; "
+          f"medians of {R} repeats after a warm-up")
+    print()
+    print("| metric | engine | transformers | ratio | target |")
+    print("|---|---|---|---|---|")
+    targets = {1: 1.6, 8: 2.0}
+    for b in batch_sizes:
+        e, h = eng[b], hf.get(b)
+        ratio = e["tps"] / h["tps"] if h else None
+        tgt = targets.get(b)
+        tgt_s = f"≥{tgt}x transformers: {'MET' if ratio >= tgt else 'NOT MET'}" if tgt and ratio else (
+            f"≥{tgt}x transformers" if tgt else "—")
+        print(f"| decode tok/s, batch {b} | {e['tps']:.1f} | {fmt(h and h['tps'])} | {fmt(ratio, '.2f', 'x')} "
+              f"| {tgt_s} |")
+        print(f"| decode ms/step, batch {b} | {e['ms']:.1f} | {fmt(h and h['ms'])} | "
+              f"{fmt(h and h['ms'] / e['ms'], '.2f', 'x')} | — |")
+        if b == 1:
+            pct = e["tps"] / roofline_tps
+            print(f"| decode batch 1, % of roofline ({roofline_tps:.1f} tok/s) | {100 * pct:.0f}% | "
+                  f"{fmt(h and 100 * h['tps'] / roofline_tps, '.0f', '%')} | — | "
+                  f"≥70%: {'MET' if pct >= 0.7 else 'NOT MET'} |")
+    ratio = hf_ttft / eng_ttft if hf_ttft else None
+    print(f"| prefill {len(long_ids)} tokens, TTFT ms | {1e3 * eng_ttft:.0f} | {fmt(hf_ttft and 1e3 * hf_ttft, '.0f')} "
+          f"| {fmt(ratio, '.2f', 'x')} | ≥1x transformers"
+          f"{(': MET' if ratio >= 1 else ': NOT MET') if ratio else ''} |")
+    print(f"| prefill {len(long_ids)} tokens, tok/s | {len(long_ids) / eng_ttft:.0f} | "
+          f"{fmt(hf_ttft and len(long_ids) / hf_ttft, '.0f')} | {fmt(ratio, '.2f', 'x')} | — |")
+    print()
+    print("ratio = engine speed / transformers speed (for ms rows: transformers ms / engine ms); > 1 means "
+          "the engine is faster.")
+    print()
+    print("Roofline (measured in this run):")
+    print(f"  copy bandwidth BW = (bytes read + bytes written) / t of np.copyto, {FLAGS.copy_mb} MiB arrays: "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()) + f" -> BW = {bw_best / 1e9:.1f} GB/s")
+    print(f"  weight bytes/token = all {n_params / 1e6:.2f}M parameters x 4 B (fp32; tied embedding read once "
+          f"as LM head) = {weight_bytes / 1e6:.1f} MB")
+    print(f"  roofline tok/s (batch 1) = BW / weight bytes/token = {bw_best / 1e9:.1f} GB/s / "
+          f"{weight_bytes / 1e6:.1f} MB = {roofline_tps:.1f} tok/s "
+          f"(= {1e3 / roofline_tps:.1f} ms/step; batch b reads the weights once per step: b x that)")
+    print()
+    print("Details:")
+    for b in batch_sizes:
+        print(f"  engine batch {b}: ms/step per repeat {[round(x, 1) for x in eng[b]['all_ms']]}, "
+              f"{eng[b]['steps']} timed steps")
+        if b in hf:
+            print(f"  transformers batch {b}: generate(1 token) {1e3 * hf[b]['t1']:.0f} ms, "
+                  f"generate({N} tokens) {1e3 * hf[b]['tN']:.0f} ms")
+            print(f"  greedy agreement batch {b}: tokens identical before first divergence, per request "
+                  f"(of {N}): {agree[b]}")
+    for b in breakdown:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in breakdown[b].items())
+        print(f"  engine step breakdown batch {b} (ms/step): {parts}; jitted step alone on device-resident "
+              f"inputs: {pure[b]:.1f} ms")
+    print()
+    print(f"runtime {runtime:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(main)

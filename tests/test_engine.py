@@ -1,0 +1,143 @@
+"""The engine loop on a tiny random-weight model: exact greedy tokens, finishing, errors, compilations."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+from model.llama import Llama
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def _dense_greedy(llm, prompt_ids, n):
+    loaded_model = _dense_model(llm)
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(int(jnp.argmax(loaded_model.dense_logits(jnp.asarray([ids]))[0, -1])))
+    return ids[len(prompt_ids):]
+
+
+def _dense_model(llm):
+    from flax import nnx
+    return nnx.merge(llm.engine.graphdef, llm.engine.state)
+
+
+PROMPTS = [list(range(3, 3 + n)) for n in (1, 15, 16, 17, 33, 70)]
+
+
+def test_greedy_batch_equals_dense_forward(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(PROMPTS, greedy)
+    for p, out in zip(PROMPTS, outs):
+        assert out.token_ids == _dense_greedy(llm, p, 10)
+        assert out.finish_reason == "length"
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_usable_blocks
+
+
+def test_alone_equals_in_batch_and_under_preemption():
+    # 9 usable blocks of 8 tokens: six prompts cannot all stay resident, so requests get preempted.
+    small = LLM("tiny-llama", num_blocks=10, block_size=8, max_num_seqs=8, max_num_batched_tokens=16)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = small.generate(PROMPTS[:5], greedy)
+    for p, out in zip(PROMPTS[:5], together):
+        assert out.token_ids == small.generate([p], greedy)[0].token_ids
+    assert small.engine.blocks.num_free_blocks == 9
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], sp)[0].token_ids
+    mixed = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4]],
+                         [SamplingParams(temperature=1.0, seed=1, max_tokens=3), sp,
+                          SamplingParams(temperature=0, max_tokens=5)])
+    assert mixed[1].token_ids == alone
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free.token_ids[:first + 1] and out.finish_reason == "stop"
+    one = llm.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=1))[0]
+    assert one.token_ids == free.token_ids[:1] and one.finish_reason == "length"
+
+
+def test_stop_string_truncates_text_and_streams_consistently(llm):
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    free = llm.generate(["hello"], sp)[0]
+    assert len(free.text) > 6
+    stop = free.text[3:5]
+    deltas = []
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       on_output=lambda i, o: deltas.append(o.delta_text))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop)]
+    assert "".join(deltas) == out.text
+
+
+def test_context_limit_rule():
+    small = LLM("tiny-llama", num_blocks=48, block_size=16, max_model_len=40)
+    assert small.engine.max_model_len == 40
+    with pytest.raises(InvalidRequestError, match="context limit is 40"):
+        small.generate([list(range(3, 43))], SamplingParams(max_tokens=1))
+    out = small.generate([list(range(3, 42))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"  # 39 + 1 = 40 tokens
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", SamplingParams(), "prompt is empty"),
+    ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+    ("hi", SamplingParams(temperature=-1), "temperature"),
+    ("hi", SamplingParams(top_p=0), "top_p"),
+    ([5, 10_000], SamplingParams(), r"token ids must be in \[0, 256\)"),
+    ([{"role": "user"}], SamplingParams(), "role"),
+])
+def test_bad_requests_are_rejected_and_nothing_else_breaks(llm, prompt, params, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.generate(["fine", prompt], params)
+    assert not llm.engine.has_unfinished()
+    ok = llm.generate(["fine"], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(ok.token_ids) >= 1
+
+
+def test_bad_request_added_to_a_running_engine_leaves_others_running(llm):
+    eng = llm.engine
+    good = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.step()
+    with pytest.raises(InvalidRequestError):
+        eng.add_request([], SamplingParams())
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].request_id == good.request_id and len(outs[-1].token_ids) == 6
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    free_before = eng.blocks.num_free_blocks
+    r = eng.add_request(PROMPTS[4], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.blocks.num_free_blocks < free_before
+    eng.abort(r.request_id)
+    assert eng.blocks.num_free_blocks == free_before and not eng.has_unfinished()
+
+
+def test_no_compilation_after_warmup():
+    llm = LLM("tiny-llama", num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine
+    assert len(eng.buckets) == 1 + 2 + 3 * 4  # T in {1..32}, S in {1, 2, 4}, S <= T
+    eng.precompile()
+    llm.generate(["warm"], SamplingParams(temperature=0.5, max_tokens=2))  # host-side helpers
+    before = eng.compilation_count()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (3, 9, 31, 45, 2, 17)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=m, seed=s)
+              for t, k, p, m, s in [(0, 0, 1, 5, None), (0.7, 5, 0.9, 9, 1), (1.2, 0, 0.5, 3, 2),
+                                    (0, 0, 1, 12, None), (1.0, 40, 1, 7, 3), (0.3, 0, 0.99, 4, 4)]]
+    llm.generate(prompts, params)
+    assert eng.compilation_count() == before

@@ -1,0 +1,70 @@
+"""End to end on the real SmolLM2-135M-Instruct: the command line and batch-independence of greedy output."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import LLM, InvalidRequestError, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "engine.generate", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_answers_paris():
+    r = _cli("--prompt", "What is the capital of France?", "--chat", "--temperature", "0", "--max_tokens", "16")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "no-such-model", "--prompt", "hi"], "no-such-model"),
+    (["--prompt", ""], "--prompt is required"),
+    (["--prompt", "hi", "--max_tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+])
+def test_cli_bad_input_gets_a_clear_error(args, message):
+    r = _cli(*args)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=8, max_num_batched_tokens=256)
+
+
+def _chat_prompts(n):
+    here = [os.path.join(ROOT, "shared", "data", "prompts", "chat.jsonl"),
+            os.path.join(ROOT, "..", "shared", "data", "prompts", "chat.jsonl")]
+    for path in here:
+        if os.path.exists(path):
+            with open(path) as f:
+                return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in f][:n]
+    return [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+        "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
+        "How do airplanes fly?", "Give me a synonym for happy.")][:n]
+
+
+def test_greedy_output_is_the_same_alone_and_in_a_batch(llm):
+    prompts = _chat_prompts(8)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    batch = llm.generate(prompts, sp)
+    for p, out in zip(prompts[:3], batch[:3]):
+        assert llm.generate([p], sp)[0].token_ids == out.token_ids
+    assert all(o.text for o in batch)
+
+
+def test_prompt_over_the_context_limit_is_rejected(llm):
+    ids = [28] * llm.engine.max_model_len
+    with pytest.raises(InvalidRequestError, match="context limit is 8192"):
+        llm.generate([ids], SamplingParams(max_tokens=4))
+    assert llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=2))[0].token_ids
