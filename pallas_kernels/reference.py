@@ -6,6 +6,8 @@ table. It never materialises a sequence's whole context at once: it walks the
 context in chunks of blocks with an online softmax (Milakov & Gimelshein 2018;
 Dao et al. 2022, FlashAttention §3.1), for as many chunks as the longest
 sequence needs (a dynamic trip count, so no context-length bucket is needed).
+The step's own tokens are handled apart, as one dense block, so a fresh
+prefill costs one [T, T] product instead of T gathers of its context.
 """
 
 from __future__ import annotations
@@ -80,9 +82,28 @@ def ragged_paged_attention_reference(
     tables = jnp.pad(block_tables, ((0, 0), (0, n_cols - max_blocks)))
 
     seq_ids, positions, valid = token_layout(query_start_loc, seq_lens, T)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
     qf = q.reshape(T, K, G, D).astype(jnp.float32) * scale
-    kv_len = jnp.where(valid, positions + 1, 0)  # causal limit per token
-    num_chunks = (jnp.max(kv_len) + chunk * B - 1) // (chunk * B)
+
+    # (1) The step's own tokens, as one dense [T, T] block: each token sees the
+    # earlier tokens of its sequence in this step. Their KV is read back from
+    # the pool at the slots the block table gives.
+    slots = block_tables[seq_ids, positions // B] * B + positions % B
+    k_new = k_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)  # [T, K, D]
+    v_new = v_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)
+    s = jnp.einsum("tkgd,ukd->tkgu", qf, k_new)
+    mask = (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
+    mask &= valid[:, None] & valid[None, :]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    init = (m, jnp.sum(p, axis=-1), jnp.einsum("tkgu,ukd->tkgd", p, v_new))
+
+    # (2) The cached context before the step, walked chunk by chunk through the
+    # block table with an online softmax.
+    ctx_len = jnp.where(valid, seq_lens[seq_ids] - q_lens[seq_ids], 0)  # [T]
+    num_chunks = (jnp.max(ctx_len) + chunk * B - 1) // (chunk * B)
 
     def body(c, state):
         m, l, acc = state
@@ -93,8 +114,7 @@ def ragged_paged_attention_reference(
         # Broadcast-multiply-reduce: XLA:CPU fuses it, unlike T tiny batched dots.
         s = jnp.sum(qf[:, :, :, None, :] * k.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=-1)
         kv_pos = c * chunk * B + jnp.arange(chunk * B)
-        mask = kv_pos[None, :] < kv_len[:, None]  # [T, chunk*B]
-        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        s = jnp.where((kv_pos[None, :] < ctx_len[:, None])[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
@@ -103,8 +123,6 @@ def ragged_paged_attention_reference(
         acc = acc * correction[..., None] + jnp.sum(p[..., None] * v.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=3)
         return m_new, l, acc
 
-    init = (jnp.full((T, K, G), -jnp.inf, jnp.float32), jnp.zeros((T, K, G), jnp.float32),
-            jnp.zeros((T, K, G, D), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(T, H, D).astype(q.dtype)

@@ -1,11 +1,11 @@
 """The engine loop on a tiny random-weight model: exact greedy tokens, finishing, errors, compilations."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
-from model.llama import Llama
 
 
 @pytest.fixture(scope="module")
@@ -13,17 +13,17 @@ def llm():
     return LLM("tiny-llama", num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 
 
-def _dense_greedy(llm, prompt_ids, n):
-    loaded_model = _dense_model(llm)
+def _dense_greedy(llm, prompt_ids, n, width=128):
+    """Greedy tokens from the unpaged forward; right padding to `width` leaves causal logits unchanged."""
+    from flax import nnx
+
+    graphdef = llm.engine.graphdef
+    logits_at = jax.jit(lambda st, ids, i: nnx.merge(graphdef, st).dense_logits(ids[None])[0, i])
     ids = list(prompt_ids)
     for _ in range(n):
-        ids.append(int(jnp.argmax(loaded_model.dense_logits(jnp.asarray([ids]))[0, -1])))
+        padded = jnp.asarray(ids + [0] * (width - len(ids)), jnp.int32)
+        ids.append(int(jnp.argmax(logits_at(llm.engine.state, padded, len(ids) - 1))))
     return ids[len(prompt_ids):]
-
-
-def _dense_model(llm):
-    from flax import nnx
-    return nnx.merge(llm.engine.graphdef, llm.engine.state)
 
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 15, 16, 17, 33, 70)]

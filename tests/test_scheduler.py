@@ -1,0 +1,90 @@
+"""Host-side scheduling: block accounting, the token budget, chunked prefill, preemption, bucket packing."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scheduler.block_manager import BlockManager, NoFreeBlocksError
+from scheduler.packing import bucket_for, pack, power_of_two_buckets
+from scheduler.request import FinishReason, Request, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def test_scheduler_package_never_imports_jax():
+    code = "import sys, scheduler.scheduler, scheduler.packing; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_block_manager_counts_and_errors():
+    bm = BlockManager(num_blocks=5, block_size=4)  # block 0 reserved: 4 usable
+    a = bm.allocate(None, 5)  # 2 blocks
+    assert len(a.block_ids) == 2 and 0 not in a.block_ids and bm.num_free_blocks == 2
+    bm.allocate(a, 8)  # still 2 blocks
+    assert bm.num_free_blocks == 2
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(None, 9)  # 3 blocks needed, 2 free: nothing changes
+    assert bm.num_free_blocks == 2
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and a.block_ids == ()
+
+
+def _req(n, max_tokens=4):
+    return Request(list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def test_token_budget_and_chunked_prefill():
+    bm = BlockManager(64, 16)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=256), bm)
+    long, short = _req(23), _req(3)
+    sch.add(long)
+    sch.add(short)
+    plan = sch.schedule()
+    assert [(s.request, s.start, s.num_new_tokens, s.sample) for s in plan.seqs] == [(long, 0, 10, False)]
+    sch.commit(plan)
+    plan = sch.schedule()
+    assert [(s.start, s.num_new_tokens) for s in plan.seqs] == [(10, 10)]
+    sch.commit(plan)
+    plan = sch.schedule()  # the last 3 prompt tokens of `long`, then `short` is admitted with the rest
+    assert [(s.request, s.start, s.num_new_tokens, s.sample) for s in plan.seqs] == [
+        (long, 20, 3, True), (short, 0, 3, True)]
+    assert plan.num_tokens == 6
+
+
+def test_preemption_recomputes_newest_request():
+    bm = BlockManager(4, 4)  # 3 usable blocks of 4 tokens
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    old, new = _req(4), _req(4)
+    sch.add(old)
+    sch.add(new)
+    plan = sch.schedule()
+    assert len(plan.seqs) == 2
+    sch.commit(plan)
+    for r in (old, new):
+        r.append_token(7, 64)
+    plan = sch.schedule()  # each needs a second block; only one is free
+    assert [s.request for s in plan.seqs] == [old] and plan.preempted == [new]
+    assert new.num_computed_tokens == 0 and new.allocation.block_ids == ()
+    assert bm.num_free_blocks == 1
+    sch.finish(old, FinishReason.STOP)
+    assert bm.num_free_blocks == 3
+
+
+def test_packing_pads_to_buckets():
+    assert power_of_two_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert bucket_for(5, (1, 2, 4, 8)) == 8
+    bm = BlockManager(16, 4)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), bm)
+    a, b = _req(6), _req(1)
+    sch.add(a)
+    sch.add(b)
+    plan = sch.schedule()
+    p = pack(plan, 4, 4, power_of_two_buckets(64), power_of_two_buckets(8), {a.request_id: 1, b.request_id: 2})
+    assert p.token_ids.shape == (8,) and p.seq_lens.shape == (2,)
+    np.testing.assert_array_equal(p.query_start_loc, [0, 6, 7])
+    np.testing.assert_array_equal(p.positions[:7], [0, 1, 2, 3, 4, 5, 0])
+    blocks_a = a.allocation.block_ids
+    assert p.slot_mapping[5] == blocks_a[1] * 4 + 1 and p.slot_mapping[7] == 0  # padding -> reserved slot
+    np.testing.assert_array_equal(p.logits_indices, [5, 6])
