@@ -72,12 +72,19 @@ class LLM:
             encoded.append(ids)
         index = {}
         results: list[RequestOutput | None] = [None] * len(prompts)
-        for i, (ids, sp) in enumerate(zip(encoded, params)):
-            index[self.engine.add_request(ids, sp).request_id] = i
-        while any(r is None or not r.finished for r in results):
-            for out in self.engine.step():
-                i = index[out.request_id]
-                results[i] = out
-                if on_output is not None:
-                    on_output(i, out)
+        try:
+            for i, (ids, sp) in enumerate(zip(encoded, params)):
+                index[self.engine.add_request(ids, sp).request_id] = i
+            while any(r is None or not r.finished for r in results):
+                for out in self.engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue  # another caller's request
+                    results[i] = out
+                    if on_output is not None:
+                        on_output(i, out)
+        except BaseException:
+            for request_id in index:  # leave the engine clean for the next call
+                self.engine.abort(request_id)
+            raise
         return results
