@@ -38,13 +38,15 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
-    attention: str = "reference"  # "reference" (jnp) or "pallas"
+    # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
+    # only runs in interpret mode, an emulator several times slower).
+    attention: str = "auto"  # or "pallas" / "reference"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.attention not in ("reference", "pallas"):
-            raise ValueError(f"attention must be 'reference' or 'pallas', got {self.attention!r}")
+        if self.attention not in ("auto", "reference", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
@@ -127,8 +129,11 @@ class Engine:
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
         self.pool = KVPool.zeros(cfg, num_blocks, B)
+        self.attention = config.attention
+        if self.attention == "auto":
+            self.attention = "reference" if jax.default_backend() == "cpu" else "pallas"
         attention = ragged_paged_attention_reference
-        if config.attention == "pallas":
+        if self.attention == "pallas":
             from pallas_kernels.ragged_paged_attention import ragged_paged_attention
             attention = ragged_paged_attention
         self._step = make_step(self.graphdef, attention)

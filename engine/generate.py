@@ -20,7 +20,8 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables.")
 flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
-flags.DEFINE_enum("attention", "reference", ["reference", "pallas"], "Paged attention implementation.")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
+                  "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
 
 
 def main(argv):
