@@ -8,24 +8,26 @@ float32 by both), and against a roofline measured in the same run.
       [--prefill_len=512] [--repeats=3] [--skip_transformers]
 
 What is measured (medians over --repeats, after a warm-up run so no
-compilation is timed):
+compilation is timed; each repeat runs the engine and transformers measurements
+back to back so both see the same background load, which is also reported):
 
 * engine decode: the requests are added, the step(s) that prefill them (and
   sample their first token) run untimed, then every following `Engine.step()`
   is timed with the wall clock until all requests have `decode_tokens` tokens.
   The timed steps are whole engine steps: scheduling, packing, host-to-device
   copies, the jitted forward + sampling, the token read-back, detokenizing.
-  tok/s = batch * decode steps / time; ms/step = time / decode steps.
+  tok/s = tokens from the timed steps / time; ms/step = time / timed steps.
 * transformers decode: greedy `generate` (min_new_tokens = max_new_tokens, so
   no early stop), inference_mode, left-padded batch with an attention mask.
   Decode-only time per step = (t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1),
   each t the median over repeats.
 * roofline: copy bandwidth BW = (bytes read + bytes written) / time of
   `np.copyto` between two preallocated --copy_mb arrays (the best of 1 thread and
-  one thread per CPU, each over several repeats). Batch-1 decode must read every weight once per
-  token, so roofline tok/s = BW / weight bytes, where weight bytes = all
-  parameters in fp32, the tied embedding counted once (read as the LM head;
-  the embedding-row lookup is negligible). KV-cache reads (~1% here) are ignored.
+  one thread per CPU, each over several repeats, at the start and the end of
+  the run). Batch-1 decode must read every weight once per token, so
+  roofline tok/s = BW / weight bytes, where weight bytes = all parameters in
+  fp32, the tied embedding counted once (read as the LM head; the
+  embedding-row lookup is negligible). KV-cache reads (~1% here) are ignored.
 * prefill: time to first token of one --prefill_len-token prompt (real text from
   long_context.jsonl, truncated) in one engine step (max_num_batched_tokens >=
   prefill_len), vs a transformers forward on the same ids with logits_to_keep=1
@@ -128,22 +130,55 @@ def copy_bandwidth(mib: int, repeats: int) -> dict:
     return result
 
 
+class CpuMonitor:
+    """CPU used by other processes since construction, in CPUs (from /proc/stat minus this process)."""
+
+    def __init__(self):
+        self.t, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def other_cpus(self) -> float | None:
+        busy = self._busy()
+        if busy is None or self.busy is None:
+            return None
+        return max(0.0, (busy - self.busy) - (self._own() - self.own)) / (time.perf_counter() - self.t)
+
+
 # ---- engine --------------------------------------------------------------------------------
 
 def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int):
-    """Runs one batch; returns (decode seconds, decode steps, tokens per request)."""
+    """Runs one batch; returns (decode seconds, decode steps, tokens from them, tokens per request).
+
+    The step(s) until every request has its first token are untimed; when the
+    prompts exceed one step's token budget, some requests start decoding there.
+    """
     from engine import SamplingParams
     sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
     reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
     while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill (untimed)
         engine.step()
+    before = sum(len(r.output_token_ids) for r in reqs)
     steps, total = 0, 0.0
     while engine.has_unfinished():
         t = time.perf_counter()
         engine.step()
         total += time.perf_counter() - t
         steps += 1
-    return total, steps, [list(r.output_token_ids) for r in reqs]
+    tokens = sum(len(r.output_token_ids) for r in reqs) - before
+    return total, steps, tokens, [list(r.output_token_ids) for r in reqs]
 
 
 def engine_ttft(engine, ids: list[int]) -> float:
@@ -217,11 +252,13 @@ def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
     import jax
     from engine import SamplingParams
     from engine.engine import StepBatch, pack
-    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    # max_tokens leaves room: no request may finish while a longer prompt is still prefilling.
+    sp = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
     reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
     while any(len(r.output_token_ids) == 0 for r in reqs):
         engine.step()
     plan = engine.scheduler.schedule()  # the decode step, planned but never committed
+    assert len(plan.seqs) == len(reqs) and plan.num_tokens == len(reqs), "not a pure decode step"
     packed = pack(plan, engine.config.block_size, engine.max_blocks_per_seq, engine.token_buckets,
                   engine.seq_buckets, engine._seeds)
     batch = jax.block_until_ready(StepBatch.from_packed(packed))
@@ -318,59 +355,82 @@ def main(argv):
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.state))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(engine.state))
 
+    monitor = CpuMonitor()
+
     # Roofline.
     log("measuring copy bandwidth ...")
-    bw = copy_bandwidth(FLAGS.copy_mb, R)
-    bw_best = max(bw.values())
-    roofline_tps = bw_best / weight_bytes
+    bw_start = copy_bandwidth(FLAGS.copy_mb, R)
 
-    # Engine decode.
-    eng = {}
-    eng_tokens = {}
+    model = None
+    if not FLAGS.skip_transformers:
+        log("loading transformers model ...")
+        model = hf_setup(default_gguf_path())
+        pad_id = model.generation_config.pad_token_id
+        pad_id = pad_id if pad_id is not None else 0
+        hf_inputs = {b: hf_batch(prompt_ids[:b], pad_id) for b in batch_sizes}
+
+    # Warm-up (compilation, allocator, caches), untimed.
+    log("warm-up ...")
     for b in batch_sizes:
-        log(f"engine decode, batch {b} ...")
-        engine_decode(engine, prompt_ids[:b], N)  # warm-up: compiles the prefill and decode shapes
-        runs = [engine_decode(engine, prompt_ids[:b], N) for _ in range(R)]
-        eng_tokens[b] = runs[0][2]
-        per_step = statistics.median(r[0] / r[1] for r in runs)
-        eng[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "steps": runs[0][1],
-                  "all_ms": [1e3 * r[0] / r[1] for r in runs]}
+        engine_decode(engine, prompt_ids[:b], N)  # compiles the prefill and decode shapes
+        if model is not None:
+            hf_generate(model, *hf_inputs[b], N, pad_id)
+    engine_ttft(engine, long_ids)
+    if model is not None:
+        hf_prefill(model, long_ids)
 
-    # Engine prefill (TTFT).
-    log("engine prefill ...")
-    engine_ttft(engine, long_ids)  # warm-up
-    eng_ttft = statistics.median(engine_ttft(engine, long_ids) for _ in range(R))
+    # Timed repeats, engine and transformers interleaved so both see the same background load.
+    eng_runs = {b: [] for b in batch_sizes}
+    hf_runs = {b: {"t1": [], "tN": []} for b in batch_sizes}
+    eng_ttfts, hf_ttfts, hf_tokens, load = [], [], {}, []
+    for r in range(R):
+        log(f"repeat {r + 1}/{R} ...")
+        m = CpuMonitor()
+        for b in batch_sizes:
+            eng_runs[b].append(engine_decode(engine, prompt_ids[:b], N))
+            if model is not None:
+                hf_runs[b]["t1"].append(hf_generate(model, *hf_inputs[b], 1, pad_id)[0])
+                dt, toks = hf_generate(model, *hf_inputs[b], N, pad_id)
+                hf_runs[b]["tN"].append(dt)
+                hf_tokens.setdefault(b, toks)
+        eng_ttfts.append(engine_ttft(engine, long_ids))
+        if model is not None:
+            hf_ttfts.append(hf_prefill(model, long_ids))
+        load.append(m.other_cpus())
 
-    # Breakdown of an engine decode step.
+    eng, eng_tokens = {}, {}
+    for b, runs in eng_runs.items():
+        eng_tokens[b] = runs[0][3]
+        eng[b] = {"ms": 1e3 * statistics.median(r[0] / r[1] for r in runs),
+                  "tps": statistics.median(r[2] / r[0] for r in runs), "steps": runs[0][1],
+                  "tokens": runs[0][2], "all_ms": [1e3 * r[0] / r[1] for r in runs]}
+    eng_ttft = statistics.median(eng_ttfts)
+    hf, hf_ttft, agree = {}, None, {}
+    if model is not None:
+        for b, runs in hf_runs.items():
+            t1, tN = statistics.median(runs["t1"]), statistics.median(runs["tN"])
+            per_step = (tN - t1) / (N - 1)
+            hf[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "t1": t1, "tN": tN,
+                     "all_ms": [1e3 * (n - o) / (N - 1) for o, n in zip(runs["t1"], runs["tN"])]}
+            # Greedy agreement: tokens before the first divergence, per request.
+            agree[b] = [next((i for i, (x, y) in enumerate(zip(e, h)) if x != y), min(len(e), len(h)))
+                        for e, h in zip(eng_tokens[b], hf_tokens[b])]
+        hf_ttft = statistics.median(hf_ttfts)
+
+    # Breakdown of an engine decode step (untimed in the table).
     breakdown, pure = {}, {}
     if FLAGS.breakdown:
         for b in batch_sizes:
             log(f"engine step breakdown, batch {b} ...")
             breakdown[b] = engine_step_breakdown(engine, prompt_ids[:b], N)
             pure[b] = pure_step_ms(engine, prompt_ids[:b], R)
-
-    # Transformers.
-    hf, hf_ttft, agree = {}, None, {}
-    if not FLAGS.skip_transformers:
-        log("loading transformers model ...")
-        model = hf_setup(default_gguf_path())
-        pad_id = model.generation_config.pad_token_id
-        pad_id = pad_id if pad_id is not None else 0
-        for b in batch_sizes:
-            log(f"transformers decode, batch {b} ...")
-            ids, mask = hf_batch(prompt_ids[:b], pad_id)
-            hf_generate(model, ids, mask, N, pad_id)  # warm-up
-            t1 = statistics.median(hf_generate(model, ids, mask, 1, pad_id)[0] for _ in range(R))
-            runs = [hf_generate(model, ids, mask, N, pad_id) for _ in range(R)]
-            tN = statistics.median(r[0] for r in runs)
-            per_step = (tN - t1) / (N - 1)
-            hf[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "t1": t1, "tN": tN}
-            # Greedy agreement: tokens before the first divergence, per request.
-            agree[b] = [next((i for i, (x, y) in enumerate(zip(e, h)) if x != y), min(len(e), len(h)))
-                        for e, h in zip(eng_tokens[b], runs[0][1])]
-        log("transformers prefill ...")
-        hf_prefill(model, long_ids)  # warm-up
-        hf_ttft = statistics.median(hf_prefill(model, long_ids) for _ in range(R))
+    log("measuring copy bandwidth again ...")
+    bw_end = copy_bandwidth(FLAGS.copy_mb, R)
+    background = monitor.other_cpus()
+    # Bandwidth is shared with whatever else runs on the host; the best measured is the machine's capability.
+    bw = {k: max(bw_start[k], bw_end[k]) for k in bw_start}
+    bw_best = max(bw.values())
+    roofline_tps = bw_best / weight_bytes
 
     # Report.
     runtime = time.perf_counter() - t_start
@@ -384,7 +444,10 @@ def main(argv):
     print(f"prompts: first {max(batch_sizes)} of {source}, chat-templated, lengths "
           f"{[len(p) for p in prompt_ids]}; greedy, ignore_eos, {N} tokens/request "
           f"({N - 1} timed decode steps); prefill: {len(long_ids)} tokens of long_context text; "
-          f"medians of {R} repeats after a warm-up")
+          f"medians of {R} repeats after a warm-up, engine and transformers interleaved")
+    print(f"background load: other processes used {fmt(background, '.2f')} of {cpus} CPUs on average during "
+          f"this run (per timed repeat: {[fmt(x, '.2f') for x in load]}); timings on a shared machine are "
+          "noisy, see per-repeat values below")
     print()
     print("| metric | engine | transformers | ratio | target |")
     print("|---|---|---|---|---|")
@@ -415,8 +478,10 @@ def main(argv):
           "the engine is faster.")
     print()
     print("Roofline (measured in this run):")
-    print(f"  copy bandwidth BW = (bytes read + bytes written) / t of np.copyto, {FLAGS.copy_mb} MiB arrays: "
-          + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bw.items()) + f" -> BW = {bw_best / 1e9:.1f} GB/s")
+    print(f"  copy bandwidth BW = (bytes read + bytes written) / t of np.copyto, {FLAGS.copy_mb} MiB arrays, "
+          "best of several copies, measured at the start and at the end of the run: "
+          + ", ".join(f"{k} {bw_start[k] / 1e9:.1f} / {bw_end[k] / 1e9:.1f} GB/s" for k in bw)
+          + f" -> BW = {bw_best / 1e9:.1f} GB/s (the best)")
     print(f"  weight bytes/token = all {n_params / 1e6:.2f}M parameters x 4 B (fp32; tied embedding read once "
           f"as LM head) = {weight_bytes / 1e6:.1f} MB")
     print(f"  roofline tok/s (batch 1) = BW / weight bytes/token = {bw_best / 1e9:.1f} GB/s / "
@@ -426,16 +491,19 @@ def main(argv):
     print("Details:")
     for b in batch_sizes:
         print(f"  engine batch {b}: ms/step per repeat {[round(x, 1) for x in eng[b]['all_ms']]}, "
-              f"{eng[b]['steps']} timed steps")
+              f"{eng[b]['steps']} timed steps giving {eng[b]['tokens']} tokens")
         if b in hf:
-            print(f"  transformers batch {b}: generate(1 token) {1e3 * hf[b]['t1']:.0f} ms, "
-                  f"generate({N} tokens) {1e3 * hf[b]['tN']:.0f} ms")
+            print(f"  transformers batch {b}: ms/step per repeat {[round(x, 1) for x in hf[b]['all_ms']]}; "
+                  f"median generate(1 token) {1e3 * hf[b]['t1']:.0f} ms, generate({N} tokens) "
+                  f"{1e3 * hf[b]['tN']:.0f} ms")
             print(f"  greedy agreement batch {b}: tokens identical before first divergence, per request "
                   f"(of {N}): {agree[b]}")
     for b in breakdown:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in breakdown[b].items())
         print(f"  engine step breakdown batch {b} (ms/step): {parts}; jitted step alone on device-resident "
               f"inputs: {pure[b]:.1f} ms")
+    print(f"  prefill TTFT ms per repeat: engine {[round(1e3 * x) for x in eng_ttfts]}, transformers "
+          f"{[round(1e3 * x) for x in hf_ttfts]}")
     print()
     print(f"runtime {runtime:.0f} s")
 

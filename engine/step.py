@@ -55,7 +55,7 @@ class StepBatch:
 
     @classmethod
     def from_packed(cls, packed) -> "StepBatch":
-        return cls(**{f: jnp.asarray(getattr(packed, f)) for f in cls.__dataclass_fields__})
+        return cls(**jax.device_put({f: getattr(packed, f) for f in cls.__dataclass_fields__}))
 
 
 def paged_attend(batch: StepBatch, attention: Callable = ragged_paged_attention_reference):

@@ -188,8 +188,13 @@ class Llama(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects hidden states `[N, E]` to float32 logits `[N, V]`."""
-        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return (hidden @ w).astype(jnp.float32)
+        if self.cfg.tie_word_embeddings:
+            # Contract against the [V, E] embedding directly: `embed.T` makes
+            # XLA:CPU take a slower path (measured 6.9 vs 4.3 ms at S=1).
+            out = jax.lax.dot_general(hidden, self.embed[...], (((1,), (1,)), ((), ())))
+        else:
+            out = hidden @ self.lm_head[...]
+        return out.astype(jnp.float32)
 
     def dense_logits(self, token_ids: jax.Array) -> jax.Array:
         """Unpaged causal forward of a padded batch `[S, Lq]` -> float32 logits `[S, Lq, V]`.

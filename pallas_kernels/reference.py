@@ -74,9 +74,9 @@ def ragged_paged_attention_reference(
     G = H // K
     S, max_blocks = block_tables.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    # Blocks per loop step: up to 128 tokens for decode, fewer for wide prefill,
+    # Blocks per loop step: up to 64 tokens for decode, fewer for wide prefill,
     # so the per-step gather [T, chunk*B, K, D] stays bounded.
-    chunk = max(1, min(max_blocks, min(128, 65536 // T) // B))
+    chunk = max(1, min(max_blocks, min(64, 65536 // T) // B))
     chunk = 1 << (chunk.bit_length() - 1)
     n_cols = -(-max_blocks // chunk) * chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, n_cols - max_blocks)))
@@ -87,18 +87,21 @@ def ragged_paged_attention_reference(
 
     # (1) The step's own tokens, as one dense [T, T] block: each token sees the
     # earlier tokens of its sequence in this step. Their KV is read back from
-    # the pool at the slots the block table gives.
+    # the pool at the slots the block table gives. Heads lead, so the two
+    # products need no transposes; the mask is an additive [T, T] bias.
     slots = block_tables[seq_ids, positions // B] * B + positions % B
     k_new = k_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)  # [T, K, D]
     v_new = v_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)
-    s = jnp.einsum("tkgd,ukd->tkgu", qf, k_new)
+    qh = qf.transpose(1, 2, 0, 3)  # [K, G, T, D]
+    s = jnp.einsum("kgtd,ukd->kgtu", qh, k_new)
     mask = (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
     mask &= valid[:, None] & valid[None, :]
-    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    s = s + jnp.where(mask, 0.0, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m_safe[..., None])
-    init = (m, jnp.sum(p, axis=-1), jnp.einsum("tkgu,ukd->tkgd", p, v_new))
+    acc = jnp.einsum("kgtu,ukd->kgtd", p, v_new)
+    init = (m.transpose(2, 0, 1), jnp.sum(p, axis=-1).transpose(2, 0, 1), acc.transpose(2, 0, 1, 3))
 
     # (2) The cached context before the step, walked chunk by chunk through the
     # block table with an online softmax.
@@ -111,16 +114,17 @@ def ragged_paged_attention_reference(
         blocks = cols[seq_ids]  # [T, chunk]
         k = k_pages[layer, blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
         v = v_pages[layer, blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
-        # Broadcast-multiply-reduce: XLA:CPU fuses it, unlike T tiny batched dots.
-        s = jnp.sum(qf[:, :, :, None, :] * k.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=-1)
+        # Broadcast-multiply-reduce on the gathered layout [T, C, K, G]: XLA:CPU
+        # fuses it, unlike T tiny batched dots, and nothing is transposed.
+        s = jnp.sum(qf[:, None] * k[:, :, :, None, :], axis=-1)  # [T, C, K, G]
         kv_pos = c * chunk * B + jnp.arange(chunk * B)
-        s = jnp.where((kv_pos[None, :] < ctx_len[:, None])[:, None, None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        s = s + jnp.where(kv_pos[None, :] < ctx_len[:, None], 0.0, -jnp.inf)[:, :, None, None]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(s - m_safe[..., None])
+        p = jnp.exp(s - m_safe[:, None])
         correction = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-        l = l * correction + jnp.sum(p, axis=-1)
-        acc = acc * correction[..., None] + jnp.sum(p[..., None] * v.transpose(0, 2, 1, 3)[:, :, None, :, :], axis=3)
+        l = l * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[..., None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)
         return m_new, l, acc
 
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
