@@ -49,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (or None for the model's limit), got {self.max_model_len}")
 
 
 @dataclasses.dataclass
@@ -121,8 +123,13 @@ class Engine:
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B)
         capacity = self.blocks.num_usable_blocks * B
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings, capacity)
+        if config.max_model_len is not None and config.max_model_len > min(cfg.max_position_embeddings, capacity):
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's context limit "
+                f"({cfg.max_position_embeddings}) or the KV pool's capacity ({capacity} tokens in {num_blocks} blocks)")
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, capacity)
+        if self.max_model_len < cfg.max_position_embeddings:
+            log.info("max_model_len %d (the KV pool holds %d tokens)", self.max_model_len, capacity)
         self.max_blocks_per_seq = -(-self.max_model_len // B)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.blocks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
@@ -19,6 +19,7 @@ flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass, in (0, 1].")
 flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables.")
 flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
+flags.DEFINE_multi_string("stop", [], "A stop string (repeat the flag for several).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                   "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
@@ -30,11 +31,13 @@ def main(argv):
     if not FLAGS.prompt:
         print("error: --prompt is required and must not be empty", file=sys.stderr)
         return 2
+    logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
     from engine import LLM, InvalidRequestError, SamplingParams  # after flag parsing: jax import is slow
 
     try:
         params = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
-                                min_p=FLAGS.min_p, seed=FLAGS.seed, max_tokens=FLAGS.max_tokens)
+                                min_p=FLAGS.min_p, seed=FLAGS.seed, max_tokens=FLAGS.max_tokens,
+                                stop=tuple(FLAGS.stop))
         params.validate()
         llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention)
         prompt = [{"role": "user", "content": FLAGS.prompt}] if FLAGS.chat else FLAGS.prompt

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, Union
 
+import numpy as np
+
 from checkpoints import DEFAULT_MODEL, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
 from scheduler.request import InvalidRequestError, SamplingParams
@@ -33,7 +35,12 @@ class LLM:
         """Token ids of a prompt; chat conversations go through the model's chat template."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        prompt = list(prompt)
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
+            return prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise InvalidRequestError(
+                f"a prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
+        prompt = [int(t) if isinstance(t, np.integer) else t for t in prompt]
         if prompt and all(isinstance(m, dict) for m in prompt):
             for m in prompt:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
@@ -56,10 +63,15 @@ class LLM:
         Raises:
           InvalidRequestError: naming the first bad prompt; nothing runs then.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if isinstance(prompts, (str, np.ndarray)) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, np.integer, dict))):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         params = sampling_params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise InvalidRequestError("sampling_params must be a SamplingParams or a list of them")
         if len(params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(params)} sampling params")
         encoded = []

@@ -39,26 +39,37 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # A lone string is one stop string, not a sequence of characters.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 class RequestStatus(enum.Enum):

@@ -96,6 +96,10 @@ def test_context_limit_rule():
     ("hi", SamplingParams(top_p=0), "top_p"),
     ([5, 10_000], SamplingParams(), r"token ids must be in \[0, 256\)"),
     ([{"role": "user"}], SamplingParams(), "role"),
+    (None, SamplingParams(), "got NoneType"),
+    ([True, 5], SamplingParams(), "a list of token ids"),
+    ("hi", SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+    ("hi", SamplingParams(temperature=True), "temperature"),
 ])
 def test_bad_requests_are_rejected_and_nothing_else_breaks(llm, prompt, params, match):
     with pytest.raises(InvalidRequestError, match=match):
@@ -141,3 +145,16 @@ def test_no_compilation_after_warmup():
                                     (0, 0, 1, 12, None), (1.0, 40, 1, 7, 3), (0.3, 0, 0.99, 4, 4)]]
     llm.generate(prompts, params)
     assert eng.compilation_count() == before
+
+
+def test_api_argument_forms(llm):
+    ids = np.arange(3, 20)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert llm.generate(ids, greedy)[0].token_ids == llm.generate([ids.tolist()], greedy)[0].token_ids
+    with pytest.raises(InvalidRequestError, match="sampling_params"):
+        llm.generate(["a"], {"temperature": 0})
+    assert SamplingParams(stop="abc").stop == ("abc",) and SamplingParams(stop=None).stop == ()
+    with pytest.raises(ValueError, match="max_model_len=1000 exceeds"):
+        LLM("tiny-llama", num_blocks=48, max_model_len=1000)
+    with pytest.raises(ValueError, match="max_model_len must be >= 2"):
+        LLM("tiny-llama", num_blocks=48, max_model_len=0)
