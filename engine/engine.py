@@ -173,10 +173,15 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {V}); got {bad[:5]}")
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Queues a request; raises InvalidRequestError (and queues nothing) if it is invalid."""
+                    request_id: str | None = None, priority: int = 0) -> Request:
+        """Queues a request; raises InvalidRequestError (and queues nothing) if it is invalid.
+
+        `priority`: lower values are admitted first and preempted last.
+        """
         self.validate(prompt_token_ids, sampling)
-        kwargs = {"request_id": request_id} if request_id is not None else {}
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        kwargs = {"request_id": request_id, "priority": priority} if request_id is not None else {"priority": priority}
         request = Request([int(t) for t in prompt_token_ids], sampling, self.eos_token_ids, **kwargs)
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")

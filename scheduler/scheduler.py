@@ -6,7 +6,7 @@ Sources: Yu et al. 2022, Orca §3 (iteration-level scheduling); Agrawal et al.
 
 from __future__ import annotations
 
-import collections
+import bisect
 import dataclasses
 
 from scheduler.block_manager import BlockManager, NoFreeBlocksError
@@ -44,12 +44,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=_order)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -59,16 +59,18 @@ class Scheduler:
 
         Invariant: there are no prefill or decode phases; every scheduled
         request computes some of its `num_tokens - num_computed_tokens`
-        missing tokens. Running requests go first (oldest first), each taking
-        what is left of the token budget; when a running request cannot get a
-        block, the newest running request is preempted (recompute). Waiting
-        requests are admitted, oldest first, while budget, sequence slots and
-        blocks last.
+        missing tokens. Running requests go first (by priority, then arrival),
+        each taking what is left of the token budget; when a running request
+        cannot get a block, the lowest-priority, latest-arrived running request
+        is preempted (recompute). Waiting requests are admitted by priority
+        tier, then arrival, while budget, sequence slots and blocks last.
         """
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        for request in list(self.running):
+        # Priority order: a preemption victim (the max of this order) is then
+        # never a request already scheduled in this step.
+        for request in sorted(self.running, key=_order):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -85,7 +87,7 @@ class Scheduler:
                 request.allocation = self.blocks.allocate(request.allocation, request.num_computed_tokens + n)
             except NoFreeBlocksError:
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seqs.append(self._plan(request, n))
@@ -103,7 +105,7 @@ class Scheduler:
                 request.allocation = self.blocks.allocate(request.allocation, request.num_computed_tokens + n)
                 return True
             except NoFreeBlocksError:
-                victim = self.running[-1]
+                victim = max(self.running, key=_order)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -113,8 +115,7 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.allocation)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.add(request)  # keeps its priority and arrival, so it goes back near the front
 
     def commit(self, plan: StepPlan) -> None:
         """Marks the plan's tokens as computed (call after the step ran)."""
@@ -133,3 +134,7 @@ class Scheduler:
             self.blocks.free(request.allocation)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+
+def _order(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival)

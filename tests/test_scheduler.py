@@ -88,3 +88,71 @@ def test_packing_pads_to_buckets():
     blocks_a = a.allocation.block_ids
     assert p.slot_mapping[5] == blocks_a[1] * 4 + 1 and p.slot_mapping[7] == 0  # padding -> reserved slot
     np.testing.assert_array_equal(p.logits_indices, [5, 6])
+
+
+def test_priority_orders_admission_and_preemption():
+    bm = BlockManager(4, 4)  # 3 usable blocks
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    low, high = _req(4), _req(4)
+    low.priority, high.priority = 5, 0
+    sch.add(low)
+    sch.add(high)  # arrives later but admitted first
+    plan = sch.schedule()
+    assert [s.request for s in plan.seqs] == [high, low]
+    sch.commit(plan)
+    for r in (low, high):
+        r.append_token(7, 64)
+    plan = sch.schedule()  # one free block: the low-priority request is preempted
+    assert [s.request for s in plan.seqs] == [high] and plan.preempted == [low]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.integers(0, 9)),
+                min_size=1, max_size=12),
+       st.integers(6, 24), st.sampled_from([4, 8]), st.integers(1, 32), st.integers(1, 4))
+def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs):
+    """Random arrivals, lengths, priorities and aborts on tiny pools. After every step: no block
+    leaked or held twice, budget and max_num_seqs respected, scheduled tokens have blocks, and
+    every request ends (finishes or is aborted)."""
+    bm = BlockManager(num_blocks, block_size)
+    max_len = min(64, bm.num_usable_blocks * block_size)
+    sch = Scheduler(SchedulerConfig(max_seqs, budget, max_len), bm)
+    pending = []
+    for n, max_tokens, prio, abort_at in specs:
+        r = Request(list(range(3, 3 + min(n, max_len - 1))), SamplingParams(max_tokens=max_tokens))
+        r.priority = prio
+        pending.append((r, abort_at))
+    live = []
+    for step in range(2000):
+        if pending and step % 2 == 0:  # arrivals over time
+            r, abort_at = pending.pop(0)
+            sch.add(r)
+            live.append((r, step + abort_at if abort_at < 3 else None))
+        for r, abort_step in live:
+            if abort_step == step and not r.finished:
+                sch.finish(r, FinishReason.ABORT)
+        plan = sch.schedule()
+        assert plan.num_tokens <= budget and len(plan.seqs) <= max_seqs and len(sch.running) <= max_seqs
+        for s in plan.seqs:
+            assert len(s.request.allocation.block_ids) * block_size >= s.start + s.num_new_tokens
+        sch.commit(plan)
+        for s in plan.seqs:
+            if s.sample:
+                reason = s.request.append_token(5, max_len)
+                if reason is not None:
+                    sch.finish(s.request, reason)
+        holders = {}
+        for r, _ in live:
+            for b in (r.allocation.block_ids if r.allocation else ()):
+                holders[b] = holders.get(b, 0) + 1
+            if r.finished:
+                assert not r.allocation or r.allocation.block_ids == ()
+        assert all(bm.ref_count(b) == c for b, c in holders.items())
+        assert bm.num_free_blocks + len(holders) == bm.num_usable_blocks
+        if not pending and not sch.has_unfinished():
+            break
+    assert not pending and all(r.finished for r, _ in live)
+    assert bm.num_free_blocks == bm.num_usable_blocks
