@@ -126,7 +126,6 @@ def copy_bandwidth(mib: int, repeats: int) -> dict:
             times.append(time.perf_counter() - t)
         result[name] = 2 * src.nbytes / min(times)  # best: the machine's capability under noise
     pool.shutdown()
-    del src, dst
     return result
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from model.config import ModelConfig
 
