@@ -158,7 +158,7 @@ class CpuMonitor:
 
 # ---- engine --------------------------------------------------------------------------------
 
-def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int):
+def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int, on_prefilled=lambda: None):
     """Runs one batch; returns (decode seconds, decode steps, tokens from them, tokens per request).
 
     The step(s) until every request has its first token are untimed; when the
@@ -169,6 +169,7 @@ def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int):
     reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
     while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill (untimed)
         engine.step()
+    on_prefilled()
     before = sum(len(r.output_token_ids) for r in reqs)
     steps, total = 0, 0.0
     while engine.has_unfinished():
@@ -222,19 +223,8 @@ def engine_step_breakdown(engine, prompt_ids: list[list[int]], n_tokens: int) ->
     engine._step = timed("jit step (device)", orig[3], block=True)
     engine._append = timed("append+detok", orig[4])
     try:
-        from engine import SamplingParams
-        sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
-        reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
-        while any(len(r.output_token_ids) == 0 for r in reqs):
-            engine.step()
-        for k in acc:
-            acc[k] = 0.0
-        steps, total = 0, 0.0
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            engine.step()
-            total += time.perf_counter() - t
-            steps += 1
+        total, steps, _, _ = engine_decode(engine, prompt_ids, n_tokens,
+                                           on_prefilled=lambda: acc.update(dict.fromkeys(acc, 0.0)))
     finally:
         engine.scheduler.schedule = orig[0]
         engine_mod.pack, engine_mod.StepBatch = orig[1], orig[2]

@@ -16,7 +16,6 @@ from flax import nnx, struct
 
 from engine.sampler import sample
 from model.config import ModelConfig
-from pallas_kernels.reference import ragged_paged_attention_reference
 
 
 @struct.dataclass
@@ -58,7 +57,7 @@ class StepBatch:
         return cls(**jax.device_put({f: getattr(packed, f) for f in cls.__dataclass_fields__}))
 
 
-def paged_attend(batch: StepBatch, attention: Callable = ragged_paged_attention_reference):
+def paged_attend(batch: StepBatch, attention: Callable):
     """An `AttendFn` that writes this step's K/V at `slot_mapping` and reads through the block table."""
 
     def attend(q, k, v, layer, pool: KVPool):
@@ -78,7 +77,7 @@ def forward_logits(model, pool: KVPool, batch: StepBatch, attention: Callable):
     return model.logits(hidden[batch.logits_indices]), pool
 
 
-def make_step(graphdef: nnx.GraphDef, attention: Callable = ragged_paged_attention_reference):
+def make_step(graphdef: nnx.GraphDef, attention: Callable):
     """Returns the jitted `step(state, pool, batch) -> (tokens int32 [S], pool)`.
 
     The weights (`state`) are an argument, not a constant; the pool is donated

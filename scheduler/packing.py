@@ -74,7 +74,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         end = s.start + s.num_new_tokens
         blocks = np.asarray(r.allocation.block_ids, np.int32)
         pos = np.arange(s.start, end, dtype=np.int32)
-        token_ids[t:t + s.num_new_tokens] = r.all_token_ids[s.start:end]
+        token_ids[t:t + s.num_new_tokens] = r.token_ids(s.start, end)
         positions[t:t + s.num_new_tokens] = pos
         slot_mapping[t:t + s.num_new_tokens] = blocks[pos // block_size] * block_size + pos % block_size
         t += s.num_new_tokens

@@ -109,9 +109,12 @@ class Request:
     finish_reason: FinishReason | None = None
     allocation: object = None  # the block manager's opaque handle
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens `start:end` of prompt + output, without concatenating the two lists."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[:max(0, end - n)]
 
     @property
     def num_tokens(self) -> int:
