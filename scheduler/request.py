@@ -26,6 +26,8 @@ class SamplingParams:
     stop: strings that end generation; the matched string is not returned.
     stop_token_ids: token ids that end generation (besides the model's EOS).
     ignore_eos: keep generating past EOS (benchmarks).
+    n: independent samples of the prompt; they share the prompt's KV blocks
+      (copy-on-write) and sample `i` uses seed `seed + i` (mod 2**32).
     """
 
     temperature: float = 1.0
@@ -37,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         # A lone string is one stop string, not a sequence of characters.
@@ -56,6 +59,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= 256:
+            raise InvalidRequestError(f"n must be an integer in [1, 256], got {self.n!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -75,6 +80,7 @@ def _is_number(x) -> bool:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to host memory
     FINISHED = "finished"
 
 
@@ -90,11 +96,16 @@ _ids = itertools.count()
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """One generation request as the scheduler tracks it.
+    """One generation request (one sequence) as the scheduler tracks it.
 
     `num_computed_tokens` counts tokens whose KV is in the pool; the request
     needs a step for the rest (`num_tokens - num_computed_tokens`): its whole
-    prompt at first (possibly in chunks), then one token per decode step.
+    prompt at first (possibly in chunks; less what the prefix cache holds),
+    then one token per decode step.
+
+    A request with `sampling.n > 1` is a parent: it prefills all but its last
+    prompt token, then forks into `n` child requests (`index` 0..n-1) that
+    share its blocks and each compute the last prompt token and sample.
     """
 
     prompt_token_ids: list[int]
@@ -108,6 +119,22 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     allocation: object = None  # the block manager's opaque handle
+    cache_salt: str | None = None  # requests share cached KV only with the same salt
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    parent: Request | None = None  # set on the children of an n > 1 request
+    index: int = 0  # sample index among the parent's children
+    swapped_kv: object = None  # host copy of the KV while swapped out (the engine's)
+    num_preemptions: int = 0
+
+    @property
+    def is_parent(self) -> bool:
+        """An n > 1 request that has not forked yet (it never samples itself)."""
+        return self.parent is None and self.sampling.n > 1
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens to compute: all of them, or all but the last prompt token for a parent."""
+        return self.num_tokens - 1 if self.is_parent else self.num_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens `start:end` of prompt + output, without concatenating the two lists."""

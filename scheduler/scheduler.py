@@ -1,7 +1,8 @@
 """Iteration-level scheduler under a token budget (host only, no jax).
 
 Sources: Yu et al. 2022, Orca §3 (iteration-level scheduling); Agrawal et al.
-2024, Sarathi-Serve §4 (chunked prefill under a token budget).
+2024, Sarathi-Serve §4 (chunked prefill under a token budget); Kwon et al.
+2023, vLLM §4.5 (preemption by swap or recompute).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from scheduler.block_manager import BlockManager, NoFreeBlocksError
+from scheduler.block_manager import BlockCopy, BlockManager, NoFreeBlocksError
 from scheduler.request import FinishReason, Request, RequestStatus
 
 
@@ -18,6 +19,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # token budget per step
     max_model_len: int = 8192  # prompt + output tokens per sequence
+    # Preemption mode by length: a victim with at least this many computed
+    # tokens is swapped to host memory (re-prefilling it would cost more than
+    # the copy), a shorter one is recomputed.
+    swap_threshold_tokens: int = 256
+    swap_space_blocks: int = 0  # host memory for swapped KV, in blocks; 0 disables swap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +34,25 @@ class ScheduledSeq:
     sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class StepPlan:
+    """One step's work, in the order the engine must apply it.
+
+    swap_out: (request, blocks) to copy to host memory first (the blocks are
+      already free and may be rewritten by this step);
+    swap_in: (request, blocks) to fill from the request's host copy;
+    copies: copy-on-write block copies;
+    then the step computes `seqs`.
+    forks: (parent, children) of n > 1 requests split this step;
+    preempted: requests sent back to waiting (recompute) or swapped.
+    """
+
     seqs: list[ScheduledSeq]
-    preempted: list[Request]
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+    forks: list[tuple[Request, list[Request]]] = dataclasses.field(default_factory=list)
+    copies: list[BlockCopy] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[Request, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    swap_in: list[tuple[Request, tuple[int, ...]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -45,90 +66,186 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.waiting: list[Request] = []  # ordered by (priority, arrival)
+        self.swapped: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []
+        self.swap_used_blocks = 0
+        self._copies: dict[int, list[BlockCopy]] = {}  # id(request) -> this step's copies
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         bisect.insort(self.waiting, request, key=_order)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> StepPlan:
         """Packs one step.
 
         Invariant: there are no prefill or decode phases; every scheduled
-        request computes some of its `num_tokens - num_computed_tokens`
-        missing tokens. Running requests go first (by priority, then arrival),
-        each taking what is left of the token budget; when a running request
-        cannot get a block, the lowest-priority, latest-arrived running request
-        is preempted (recompute). Waiting requests are admitted by priority
-        tier, then arrival, while budget, sequence slots and blocks last.
+        request computes some of its missing tokens
+        (`num_schedulable_tokens - num_computed_tokens`), and a request's
+        scheduled tokens always have blocks. Order: running decodes, then
+        running (chunked) prefills, each by priority then arrival and each
+        taking what is left of the token budget; when one cannot get a block,
+        the lowest-priority, latest-arrived running request is preempted. Then
+        swapped requests come back, then waiting ones are admitted (prefix
+        cache first), both by priority then arrival, while budget, sequence
+        slots and free blocks above the watermark last.
         """
+        self._copies = {}
+        plan = StepPlan([])
         budget = self.config.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
-        preempted: list[Request] = []
-        # Priority order: a preemption victim (the max of this order) is then
-        # never a request already scheduled in this step.
-        for request in sorted(self.running, key=_order):
+        for request in [r for r in self.running if r.is_parent and _missing(r) == 0]:
+            self._fork(request, plan)
+        for request in sorted(self.running, key=lambda r: (_missing(r) > 1, _order(r))):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, n, preempted):
-                continue
-            seqs.append(self._plan(request, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            try:
-                request.allocation = self.blocks.allocate(request.allocation, request.num_computed_tokens + n)
-            except NoFreeBlocksError:
+            if request.status is RequestStatus.RUNNING:
+                budget -= self._schedule_running(request, min(_missing(request), budget), plan)
+        while self.swapped and budget > 0 and self._num_slots() < self.config.max_num_seqs:
+            n = self._swap_in(self.swapped[0], budget, plan)
+            if n == 0:
                 break
-            self.waiting.pop(0)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            seqs.append(self._plan(request, n))
             budget -= n
-        return StepPlan(seqs, preempted)
+        while self.waiting and budget > 0:
+            n = self._admit(self.waiting[0], budget, plan)
+            if n == 0:
+                break
+            budget -= n
+        plan.copies = [c for copies in self._copies.values() for c in copies]
+        return plan
 
-    def _plan(self, request: Request, n: int) -> ScheduledSeq:
-        start = request.num_computed_tokens
-        return ScheduledSeq(request, start, n, start + n == request.num_tokens)
+    # ---- running requests ---------------------------------------------------------------
 
-    def _reserve(self, request: Request, n: int, preempted: list[Request]) -> bool:
-        """Makes room for `n` more tokens of `request`, preempting newer requests if needed."""
+    def _schedule_running(self, request: Request, n: int, plan: StepPlan) -> int:
+        """Schedules `n` tokens of a running request, preempting others for blocks; returns tokens used."""
         while True:
             try:
+                copy = self.blocks.copy_on_write(request.allocation, request.num_computed_tokens)
+                if copy is not None:
+                    self._copies.setdefault(id(request), []).append(copy)
                 request.allocation = self.blocks.allocate(request.allocation, request.num_computed_tokens + n)
-                return True
+                break
             except NoFreeBlocksError:
                 victim = max(self.running, key=_order)
-                self._preempt(victim)
-                preempted.append(victim)
+                self._preempt(victim, plan)
                 if victim is request:
-                    return False
+                    return 0
+        plan.seqs.append(_plan(request, n))
+        return n
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Frees a running request's blocks: swap (long sequences, if host space allows) or recompute."""
+        plan.seqs[:] = [s for s in plan.seqs if s.request is not request]  # undo its scheduling this step
+        # A block copied-on-write this step holds no data yet, so such a request is recomputed.
+        copying = self._copies.pop(id(request), None)
         self.running.remove(request)
-        self.blocks.free(request.allocation)
-        request.num_computed_tokens = 0
-        self.add(request)  # keeps its priority and arrival, so it goes back near the front
+        request.num_preemptions += 1
+        plan.preempted.append(request)
+        n_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        if (not copying and request.num_computed_tokens >= self.config.swap_threshold_tokens
+                and self.swap_used_blocks + n_blocks <= self.config.swap_space_blocks):
+            plan.swap_out.append((request, request.allocation.block_ids[:n_blocks]))
+            self.swap_used_blocks += n_blocks
+            self.blocks.free(request.allocation)
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=_order)
+        else:
+            self.blocks.free(request.allocation)
+            request.num_computed_tokens = 0
+            self.add(request)  # keeps its priority and arrival, so it goes back near the front
+
+    def _fork(self, parent: Request, plan: StepPlan) -> list[Request]:
+        """Splits an n > 1 request whose prompt (but the last token) is computed into its samples."""
+        children = [
+            Request(parent.prompt_token_ids, parent.sampling, parent.eos_token_ids,
+                    request_id=f"{parent.request_id}/{i}", priority=parent.priority, arrival=parent.arrival,
+                    num_computed_tokens=parent.num_computed_tokens, status=RequestStatus.RUNNING,
+                    allocation=self.blocks.fork(parent.allocation), cache_salt=parent.cache_salt,
+                    num_cached_tokens=parent.num_cached_tokens, parent=parent, index=i)
+            for i in range(parent.sampling.n)]
+        self.blocks.free(parent.allocation)
+        self.running.remove(parent)
+        self.running.extend(children)
+        parent.status = RequestStatus.FINISHED  # lives on as its children
+        plan.forks.append((parent, children))
+        return children
+
+    # ---- swapped and waiting requests ---------------------------------------------------
+
+    def _num_slots(self) -> int:
+        """Sequence slots held by running requests (a parent holds one per sample)."""
+        return sum(_width(r) for r in self.running)
+
+    def _room(self, need: int) -> bool:
+        """Admitting something that needs `need` more blocks keeps free blocks above the watermark.
+
+        With nothing running the watermark is waived, so a lone request always runs.
+        """
+        reserve = self.blocks.watermark_blocks if self.running else 0
+        return need <= self.blocks.num_free_blocks - reserve
+
+    def _swap_in(self, request: Request, budget: int, plan: StepPlan) -> int:
+        n = min(_missing(request), budget)
+        if not self._room(self.blocks.blocks_needed(None, request.num_computed_tokens + n)):
+            return 0
+        request.allocation = self.blocks.allocate(None, request.num_computed_tokens + n, request.cache_salt)
+        n_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        plan.swap_in.append((request, request.allocation.block_ids[:n_blocks]))
+        self.swap_used_blocks -= n_blocks
+        self.swapped.pop(0)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.seqs.append(_plan(request, n))
+        return n
+
+    def _admit(self, request: Request, budget: int, plan: StepPlan) -> int:
+        """Admits the first waiting request (prefix cache first); returns tokens scheduled (0: stop admitting)."""
+        if self._num_slots() + _width(request) > self.config.max_num_seqs:
+            return 0
+        tokens = request.token_ids(0, request.num_tokens)
+        allocation, cached = self.blocks.match_prefix(tokens, request.num_tokens - 1, request.cache_salt)
+        n = min(request.num_schedulable_tokens - cached, budget)
+        if not self._room(self.blocks.blocks_needed(allocation, cached + n)):
+            self.blocks.free(allocation)
+            return 0
+        request.allocation = self.blocks.allocate(allocation, cached + n)
+        request.num_computed_tokens = cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = cached
+        self.waiting.pop(0)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if n > 0:
+            plan.seqs.append(_plan(request, n))
+            return n
+        # A parent whose whole prompt but the last token was cached: its samples start now.
+        used = 0
+        for child in self._fork(request, plan):
+            if used < budget and child.status is RequestStatus.RUNNING:
+                used += self._schedule_running(child, 1, plan)
+        return used
+
+    # ---- after the step -----------------------------------------------------------------
 
     def commit(self, plan: StepPlan) -> None:
-        """Marks the plan's tokens as computed (call after the step ran)."""
+        """Marks the plan's tokens as computed and caches full blocks (call after the step ran)."""
         for s in plan.seqs:
-            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            r = s.request
+            r.num_computed_tokens = s.start + s.num_new_tokens
+            self.blocks.cache_blocks(r.allocation, r.token_ids, r.num_computed_tokens)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
-        """Ends a request (any state) and frees its blocks."""
+        """Ends a request (any state) and frees its blocks and host swap space."""
         if request.finished:
             return
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request in self.waiting:
+        elif request.status is RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap_used_blocks -= -(-request.num_computed_tokens // self.blocks.block_size)
+            request.swapped_kv = None
+        elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         if request.allocation is not None:
             self.blocks.free(request.allocation)
@@ -136,5 +253,18 @@ class Scheduler:
         request.finish_reason = reason
 
 
-def _order(request: Request) -> tuple[int, int]:
-    return (request.priority, request.arrival)
+def _order(request: Request) -> tuple[int, int, int]:
+    return (request.priority, request.arrival, request.index)
+
+
+def _width(request: Request) -> int:
+    return request.sampling.n if request.is_parent else 1
+
+
+def _missing(request: Request) -> int:
+    return request.num_schedulable_tokens - request.num_computed_tokens
+
+
+def _plan(request: Request, n: int) -> ScheduledSeq:
+    start = request.num_computed_tokens
+    return ScheduledSeq(request, start, n, not request.is_parent and start + n == request.num_tokens)

@@ -31,8 +31,13 @@ def test_block_manager_counts_and_errors():
     assert bm.num_free_blocks == 4 and a.block_ids == ()
 
 
-def _req(n, max_tokens=4):
-    return Request(list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+_first_token = iter(range(100, 10**6, 100))
+
+
+def _req(n, max_tokens=4, **sampling):
+    """A request whose prompt shares no block with other `_req`s (so the prefix cache stays out of the way)."""
+    start = next(_first_token)
+    return Request(list(range(start, start + n)), SamplingParams(temperature=0, max_tokens=max_tokens, **sampling))
 
 
 def test_token_budget_and_chunked_prefill():
@@ -108,25 +113,38 @@ def test_priority_orders_admission_and_preemption():
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
+_PREFIXES = ([], list(range(7, 19)), list(range(7, 15)) + [40, 41, 42, 43])  # shared system prompts
 
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.integers(0, 9)),
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 2), st.integers(0, 9),
+                          st.integers(0, 2), st.integers(1, 3), st.sampled_from([None, "a"])),
                 min_size=1, max_size=12),
-       st.integers(6, 24), st.sampled_from([4, 8]), st.integers(1, 32), st.integers(1, 4))
-def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs):
-    """Random arrivals, lengths, priorities and aborts on tiny pools. After every step: no block
-    leaked or held twice, budget and max_num_seqs respected, scheduled tokens have blocks, and
-    every request ends (finishes or is aborted)."""
-    bm = BlockManager(num_blocks, block_size)
+       st.integers(6, 24), st.sampled_from([4, 8]), st.integers(1, 32), st.integers(1, 4),
+       st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.3]))
+def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, swap_blocks, watermark):
+    """Random arrivals, lengths, shared prefixes, n > 1 samples, salts, priorities and aborts on tiny
+    pools, with swap and recompute preemption. A fake KV pool stores each slot's token id; the test
+    applies the plan's swaps and copies and this step's writes exactly as the engine would.
+
+    After every step: every scheduled sequence reads back its own tokens at every position through
+    its block table (so prefix-cache hits, copy-on-write and swaps moved the right data), no block
+    is leaked or held twice (reference counts equal holders), budget and max_num_seqs hold, within
+    a priority tier requests are first admitted in arrival order, and every request ends."""
+    bm = BlockManager(num_blocks, block_size, watermark=watermark)
     max_len = min(64, bm.num_usable_blocks * block_size)
-    sch = Scheduler(SchedulerConfig(max_seqs, budget, max_len), bm)
+    sch = Scheduler(SchedulerConfig(max_seqs, budget, max_len, swap_threshold_tokens=6,
+                                    swap_space_blocks=swap_blocks), bm)
+    pool = np.full((num_blocks, block_size), -1)
+    host = {}
     pending = []
-    for n, max_tokens, prio, abort_at in specs:
-        r = Request(list(range(3, 3 + min(n, max_len - 1))), SamplingParams(max_tokens=max_tokens))
+    for n, max_tokens, prio, abort_at, prefix, n_samples, salt in specs:
+        prompt = (_PREFIXES[prefix] + list(range(50, 50 + n)))[:max_len - 1]
+        r = Request(prompt, SamplingParams(max_tokens=max_tokens, n=min(n_samples, max_seqs)), cache_salt=salt)
         r.priority = prio
         pending.append((r, abort_at))
-    live = []
-    for step in range(2000):
+    live, first_admitted = [], {}
+    for step in range(3000):
         if pending and step % 2 == 0:  # arrivals over time
             r, abort_at = pending.pop(0)
             sch.add(r)
@@ -135,13 +153,30 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs):
             if abort_step == step and not r.finished:
                 sch.finish(r, FinishReason.ABORT)
         plan = sch.schedule()
+        for parent, children in plan.forks:
+            live.extend((c, None) for c in children)
+        for r, blocks in plan.swap_out:
+            host[r.request_id] = pool[list(blocks)].copy()
+        for r, blocks in plan.swap_in:
+            pool[list(blocks)] = host.pop(r.request_id)
+        for c in plan.copies:
+            pool[c.dst] = pool[c.src]
         assert plan.num_tokens <= budget and len(plan.seqs) <= max_seqs and len(sch.running) <= max_seqs
+        assert sch.swap_used_blocks <= swap_blocks
         for s in plan.seqs:
-            assert len(s.request.allocation.block_ids) * block_size >= s.start + s.num_new_tokens
+            r = s.request
+            first_admitted.setdefault(r.parent or r, step)
+            end = s.start + s.num_new_tokens
+            table = r.allocation.block_ids
+            assert len(table) * block_size >= end
+            for pos in range(s.start, end):
+                pool[table[pos // block_size], pos % block_size] = r.token_ids(pos, pos + 1)[0]
+            kv = [pool[table[p // block_size], p % block_size] for p in range(end)]
+            assert kv == r.token_ids(0, end), f"{r.request_id} reads wrong KV"
         sch.commit(plan)
         for s in plan.seqs:
             if s.sample:
-                reason = s.request.append_token(5, max_len)
+                reason = s.request.append_token(5 + (step + s.request.index) % 3, max_len)
                 if reason is not None:
                     sch.finish(s.request, reason)
         holders = {}
@@ -155,4 +190,9 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs):
         if not pending and not sch.has_unfinished():
             break
     assert not pending and all(r.finished for r, _ in live)
-    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert bm.num_free_blocks == bm.num_usable_blocks and sch.swap_used_blocks == 0
+    tops = [r for r, _ in live if r.parent is None and r in first_admitted]
+    for a in tops:
+        for b in tops:
+            if a.priority == b.priority and a.arrival < b.arrival and b.num_preemptions == 0:
+                assert first_admitted[a] <= first_admitted[b], "a later request of the same tier went first"
