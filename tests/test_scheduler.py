@@ -31,13 +31,125 @@ def test_block_manager_counts_and_errors():
     assert bm.num_free_blocks == 4 and a.block_ids == ()
 
 
+def _cache(bm, tokens):
+    """Allocates and computes `tokens` as one sequence, caches its full blocks, and frees it."""
+    a, _ = bm.match_prefix(tokens, len(tokens) - 1)
+    a = bm.allocate(a, len(tokens))
+    bm.cache_blocks(a, lambda s, e: tokens[s:e], len(tokens))
+    ids = a.block_ids
+    bm.free(a)
+    return ids
+
+
+def test_prefix_cache_hit_reuses_full_blocks():
+    bm = BlockManager(num_blocks=9, block_size=4, watermark=0.0)  # 8 usable
+    prompt = list(range(10, 21))  # 11 tokens: 2 full blocks + 3
+    first = _cache(bm, prompt)
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 8  # cached blocks stay evictable
+    a, cached = bm.match_prefix(prompt + [99], 11)
+    assert cached == 8 and a.block_ids == first[:2]
+    assert [bm.ref_count(b) for b in first[:2]] == [1, 1] and bm.num_free_blocks == 6
+    b, cached_b = bm.match_prefix(prompt[:8], 7)  # the last token must be computed: 1 block only
+    assert cached_b == 4 and b.block_ids == first[:1] and bm.ref_count(first[0]) == 2
+    c, cached_c = bm.match_prefix([10, 11, 12, 99] + prompt[4:], 11)  # differs in block 0: no hit
+    assert cached_c == 0 and c.block_ids == ()
+    for x in (a, b):
+        bm.free(x)
+    assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 2
+
+
+def test_prefix_cache_salt_isolates_tenants():
+    bm = BlockManager(9, 4, watermark=0.0)
+    prompt = list(range(10, 19))
+    _cache(bm, prompt)
+    assert bm.match_prefix(prompt, 8, salt="tenant-b")[1] == 0
+    a, cached = bm.match_prefix(prompt, 8, salt=None)
+    assert cached == 8
+    bm.free(a)
+
+
+def test_prefix_cache_evicts_lru_leaves_at_the_watermark():
+    bm = BlockManager(num_blocks=9, block_size=4, watermark=0.25)  # 8 usable; keep 2 on the free list
+    old = _cache(bm, list(range(100, 108)))  # 2 blocks
+    new = _cache(bm, list(range(200, 208)))
+    assert bm.num_cached_blocks == 4 and bm.num_free_blocks == 8
+    a = bm.allocate(None, 16)  # 4 blocks from the free list leaves 0 < 2: evict the 2 LRU blocks
+    assert bm.num_cached_blocks == 2 and bm.num_evictions == 2
+    assert bm.match_prefix(list(range(100, 109)), 8)[1] == 0  # the old prompt is gone
+    hit, cached = bm.match_prefix(list(range(200, 209)), 8)
+    assert cached == 8 and hit.block_ids == new
+    assert not set(a.block_ids) & set(new + old) and bm.num_free_blocks == 2  # old's blocks: free list
+    bm.free(hit)
+    bm.free(a)
+    assert bm.num_free_blocks == 8
+
+
+def test_copy_on_write_for_shared_partial_block():
+    bm = BlockManager(9, 4, watermark=0.0)
+    parent = bm.allocate(None, 6)  # blocks p0 (full), p1 (2 of 4 tokens)
+    p0, p1 = parent.block_ids
+    kids = [bm.fork(parent) for _ in range(3)]
+    bm.free(parent)
+    assert bm.ref_count(p0) == bm.ref_count(p1) == 3 and bm.num_free_blocks == 6
+    assert bm.copy_on_write(kids[0], 3) is not None  # position 3 is in the full shared block p0
+    bm.free(kids[0])
+    kids[0] = bm.fork(kids[1])
+    c0 = bm.copy_on_write(kids[0], 6)  # writes at 6 go into p1, shared by 3: private copy
+    c1 = bm.copy_on_write(kids[1], 6)
+    assert c0.src == c1.src == p1 and c0.dst != c1.dst and bm.ref_count(p1) == 1
+    assert bm.copy_on_write(kids[2], 6) is None  # the last holder writes in place
+    assert [k.block_ids for k in kids] == [(p0, c0.dst), (p0, c1.dst), (p0, p1)]
+    assert bm.ref_count(p0) == 3 and bm.num_free_blocks == 4
+    for k in kids:
+        bm.free(k)
+    assert bm.num_free_blocks == 8
+
+
+def test_fork_n_samples_share_prompt_blocks():
+    bm = BlockManager(17, 4, watermark=0.0)
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), bm)
+    parent = _req(6, n=3)
+    sch.add(parent)
+    plan = sch.schedule()  # prefill of 5 tokens; the 6th runs once per sample
+    assert [(s.request, s.start, s.num_new_tokens, s.sample) for s in plan.seqs] == [(parent, 0, 5, False)]
+    sch.commit(plan)
+    plan = sch.schedule()
+    (_, kids), = plan.forks
+    assert [k.index for k in kids] == [0, 1, 2] and parent.finished
+    assert [(s.request, s.start, s.num_new_tokens, s.sample) for s in plan.seqs] == [(k, 5, 1, True) for k in kids]
+    # Block 1 holds tokens 4-5: the first two samples copy it, the last writes in place.
+    assert len(plan.copies) == 2 and bm.num_free_blocks == 16 - 2 - 2
+    assert len({k.allocation.block_ids[0] for k in kids}) == 1
+
+
+def test_swap_preemption_for_long_sequences():
+    bm = BlockManager(5, 4, watermark=0.0)  # 4 usable blocks
+    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                    swap_threshold_tokens=5, swap_space_blocks=8), bm)
+    short, long = _req(4), _req(8)
+    sch.add(short)
+    sch.add(long)
+    sch.commit(sch.schedule())  # short: 1 block, long: 2 blocks
+    for r in (short, long):
+        r.append_token(7, 64)
+    plan = sch.schedule()  # both need a block, one is free: `long` (8 computed >= 5) is swapped
+    assert [s.request for s in plan.seqs] == [short] and plan.preempted == [long]
+    assert plan.swap_out == [(long, long_blocks := plan.swap_out[0][1])] and len(long_blocks) == 2
+    assert long.status.value == "swapped" and long.num_computed_tokens == 8 and sch.swap_used_blocks == 2
+    sch.commit(plan)
+    sch.finish(short, FinishReason.STOP)
+    plan = sch.schedule()  # swapped back in ahead of anything waiting, then its decode token runs
+    assert [b for _, b in plan.swap_in] == [long.allocation.block_ids[:2]] and sch.swap_used_blocks == 0
+    assert [(s.request, s.start, s.num_new_tokens) for s in plan.seqs] == [(long, 8, 1)]
+
+
 _first_token = iter(range(100, 10**6, 100))
 
 
-def _req(n, max_tokens=4, **sampling):
+def _req(length, max_tokens=4, **sampling):
     """A request whose prompt shares no block with other `_req`s (so the prefix cache stays out of the way)."""
     start = next(_first_token)
-    return Request(list(range(start, start + n)), SamplingParams(temperature=0, max_tokens=max_tokens, **sampling))
+    return Request(list(range(start, start + length)), SamplingParams(temperature=0, max_tokens=max_tokens, **sampling))
 
 
 def test_token_budget_and_chunked_prefill():
