@@ -11,11 +11,11 @@ import numpy as np
 from flax import nnx
 
 from engine.compilation import compilation_count, enable_persistent_cache
-from engine.step import KVPool, StepBatch, make_step
+from engine.step import KVPool, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
 from model.llama import Llama
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.block_manager import BlockManager
-from scheduler.packing import PackedBatch, pack, power_of_two_buckets
+from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
 
@@ -30,6 +30,12 @@ class EngineConfig:
       `kv_cache_bytes`.
     max_model_len: prompt + output tokens per sequence; None means the model's
       context limit, capped at what the pool holds.
+    enable_prefix_caching: reuse the KV of cached prompt blocks (radix tree, LRU).
+    kv_watermark: fraction of the pool kept free: cached blocks are evicted to
+      keep it on the free list, and new requests are admitted only above it.
+    swap_space_bytes: host memory for the KV of preempted sequences.
+    swap_threshold_tokens: preempted sequences at least this long are swapped
+      to host memory; shorter ones (or when swap space is full) are recomputed.
     """
 
     block_size: int = 16
@@ -38,6 +44,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_watermark: float = 0.1
+    swap_space_bytes: int = 1 << 30
+    swap_threshold_tokens: int = 256
     # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
     # only runs in interpret mode, an emulator several times slower).
     attention: str = "auto"  # or "pallas" / "reference"
@@ -49,13 +59,20 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.swap_space_bytes < 0 or self.swap_threshold_tokens < 0:
+            raise ValueError("swap_space_bytes and swap_threshold_tokens must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (or None for the model's limit), got {self.max_model_len}")
 
 
 @dataclasses.dataclass
 class RequestOutput:
-    """A request's state after a step: the full text so far and what is new."""
+    """A request's state after a step: the full text so far and what is new.
+
+    A request with `n > 1` samples gives one output stream per sample (`index`).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -64,6 +81,8 @@ class RequestOutput:
     finish_reason: str | None
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    index: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -121,7 +140,7 @@ class Engine:
         B = config.block_size
         bytes_per_block = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
-        self.blocks = BlockManager(num_blocks, B)
+        self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
         if config.max_model_len is not None and config.max_model_len > min(cfg.max_position_embeddings, capacity):
             raise ValueError(
@@ -132,9 +151,11 @@ class Engine:
             log.info("max_model_len %d (the KV pool holds %d tokens)", self.max_model_len, capacity)
         self.max_blocks_per_seq = -(-self.max_model_len // B)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.blocks)
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+                            config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
+        self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, self.max_blocks_per_seq))
         self.pool = KVPool.zeros(cfg, num_blocks, B)
         self.attention = config.attention
         if self.attention == "auto":
@@ -148,6 +169,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, _Detokenizer] = {}
         self._seeds: dict[str, int] = {}
+        self._children: dict[str, list[Request]] = {}  # n > 1 requests after their fork
         self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -160,6 +182,8 @@ class Engine:
         sequence reaches `max_model_len`, even before `max_tokens`.
         """
         sampling.validate()
+        if sampling.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt is empty")
@@ -173,17 +197,22 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {V}); got {bad[:5]}")
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, priority: int = 0) -> Request:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
         """Queues a request; raises InvalidRequestError (and queues nothing) if it is invalid.
 
         `priority`: lower values are admitted first and preempted last.
+        `cache_salt`: requests share prefix-cache entries only with the same salt.
         """
         self.validate(prompt_token_ids, sampling)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
-        kwargs = {"request_id": request_id, "priority": priority} if request_id is not None else {"priority": priority}
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {cache_salt!r}")
+        kwargs = {"priority": priority, "cache_salt": cache_salt}
+        if request_id is not None:
+            kwargs["request_id"] = request_id
         request = Request([int(t) for t in prompt_token_ids], sampling, self.eos_token_ids, **kwargs)
-        if request.request_id in self._requests:
+        if request.request_id in self._requests or request.request_id in self._children:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._requests[request.request_id] = request
         self._detok[request.request_id] = _Detokenizer(self.tokenizer, sampling.stop)
@@ -192,12 +221,11 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> None:
-        """Ends a request now and frees its blocks; unknown ids are ignored."""
-        request = self._requests.pop(request_id, None)
-        if request is not None:
-            self.scheduler.finish(request, FinishReason.ABORT)
-            self._detok.pop(request_id)
-            self._seeds.pop(request_id)
+        """Ends a request (all its samples) now and frees its blocks; unknown ids are ignored."""
+        for request in [self._requests.get(request_id), *self._children.get(request_id, ())]:
+            if request is not None and not request.finished:
+                self.scheduler.finish(request, FinishReason.ABORT)
+                self._forget(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -207,6 +235,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
         plan = self.scheduler.schedule()
+        self._apply_block_ops(plan)
+        for parent, children in plan.forks:
+            self._fork(parent, children)
         if not plan.seqs:
             return []
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
@@ -228,11 +259,53 @@ class Engine:
             reason = FinishReason.STOP
         if reason is not None:
             self.scheduler.finish(request, reason)
-            del self._requests[request.request_id], self._detok[request.request_id]
-            del self._seeds[request.request_id]
-        return RequestOutput(request.request_id, request.prompt_token_ids, detok.text,
+            self._forget(request)
+        user_id = request.parent.request_id if request.parent else request.request_id
+        return RequestOutput(user_id, request.prompt_token_ids, detok.text,
                              list(request.output_token_ids), reason.value if reason else None,
-                             detok.delta(final=reason is not None), [token])
+                             detok.delta(final=reason is not None), [token], request.index,
+                             request.num_cached_tokens)
+
+    def _forget(self, request: Request) -> None:
+        """Drops the engine's bookkeeping of a finished request."""
+        rid = request.request_id
+        del self._requests[rid], self._detok[rid], self._seeds[rid]
+        if request.parent is not None:
+            siblings = self._children[request.parent.request_id]
+            if all(c.finished for c in siblings):
+                del self._children[request.parent.request_id]
+
+    def _fork(self, parent: Request, children: list[Request]) -> None:
+        """Takes over an n > 1 request's bookkeeping for its samples; sample i uses seed + i."""
+        seed = self._seeds[parent.request_id]
+        del self._requests[parent.request_id], self._detok[parent.request_id], self._seeds[parent.request_id]
+        self._children[parent.request_id] = children
+        for c in children:
+            self._requests[c.request_id] = c
+            self._detok[c.request_id] = _Detokenizer(self.tokenizer, c.sampling.stop)
+            self._seeds[c.request_id] = (seed + c.index) % 2**32
+
+    def _apply_block_ops(self, plan: StepPlan) -> None:
+        """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
+        for request, blocks in plan.swap_out:
+            k, v = gather_blocks(self.pool, self._block_ids(blocks))
+            request.swapped_kv = (np.asarray(k)[:, :len(blocks)], np.asarray(v)[:, :len(blocks)])
+        for request, blocks in plan.swap_in:
+            k, v = request.swapped_kv
+            request.swapped_kv = None
+            ids = self._block_ids(blocks)
+            pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
+            self.pool = scatter_blocks(self.pool, ids, np.pad(k, pad), np.pad(v, pad))
+        if plan.copies:
+            src = self._block_ids([c.src for c in plan.copies])
+            dst = self._block_ids([c.dst for c in plan.copies])
+            self.pool = copy_blocks(self.pool, src, dst)
+
+    def _block_ids(self, blocks) -> np.ndarray:
+        """Block ids padded with the reserved block 0 to a block-op bucket."""
+        ids = np.zeros(bucket_for(len(blocks), self.block_op_buckets), np.int32)
+        ids[:len(blocks)] = blocks
+        return ids
 
     # ---- compilation ----------------------------------------------------------------------
 
@@ -246,6 +319,12 @@ class Engine:
         for T, S in buckets or self.buckets:
             packed = _padding_batch(T, S, self.max_blocks_per_seq)
             _, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
+        if buckets is None:  # the block-op programs too (copy-on-write and swap)
+            for n in self.block_op_buckets:
+                ids = np.zeros(n, np.int32)
+                self.pool = copy_blocks(self.pool, ids, ids)
+                k, v = gather_blocks(self.pool, ids)
+                self.pool = scatter_blocks(self.pool, ids, k, v)
         jax.block_until_ready(self.pool)
         return len(buckets or self.buckets)
 

@@ -55,11 +55,13 @@ class LLM:
                  on_output: Callable[[int, RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Generates for every prompt; results come back in input order.
 
+        A prompt with `n > 1` samples gives `n` consecutive results (by `index`).
+
         Args:
           prompts: one prompt or a list of them (see `Prompt`).
           sampling_params: one for all prompts or one per prompt; default `SamplingParams()`.
-          on_output: called as `on_output(index, output)` after every step that
-            gives prompt `index` new tokens (streaming).
+          on_output: called as `on_output(i, output)` after every step that
+            gives result `i` new tokens (streaming).
         Raises:
           InvalidRequestError: naming the first bad prompt; nothing runs then.
         """
@@ -82,21 +84,23 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
             encoded.append(ids)
-        index = {}
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        first = {}  # request id -> its first result slot
+        results: list[RequestOutput | None] = [None] * sum(sp.n for sp in params)
         try:
-            for i, (ids, sp) in enumerate(zip(encoded, params)):
-                index[self.engine.add_request(ids, sp).request_id] = i
+            slot = 0
+            for ids, sp in zip(encoded, params):
+                first[self.engine.add_request(ids, sp).request_id] = slot
+                slot += sp.n
             while any(r is None or not r.finished for r in results):
                 for out in self.engine.step():
-                    i = index.get(out.request_id)
-                    if i is None:
+                    if out.request_id not in first:
                         continue  # another caller's request
+                    i = first[out.request_id] + out.index
                     results[i] = out
                     if on_output is not None:
                         on_output(i, out)
         except BaseException:
-            for request_id in index:  # leave the engine clean for the next call
+            for request_id in first:  # leave the engine clean for the next call
                 self.engine.abort(request_id)
             raise
         return results

@@ -93,3 +93,24 @@ def make_step(graphdef: nnx.GraphDef, attention: Callable):
         return tokens, pool
 
     return step
+
+
+# ---- block operations (copy-on-write, swap), run before a step -------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+    """Copies blocks `src[i]` to `dst[i]` in every layer (int32 `[N]`; padding copies 0 -> 0)."""
+    return KVPool(pool.k.at[:, dst].set(pool.k[:, src]), pool.v.at[:, dst].set(pool.v[:, src]))
+
+
+@jax.jit
+def gather_blocks(pool: KVPool, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K and V of `blocks` (int32 `[N]`) in every layer: two `[L, N, B, K, D]` arrays (swap out)."""
+    return pool.k[:, blocks], pool.v[:, blocks]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_blocks(pool: KVPool, blocks: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+    """Writes `k`, `v` (`[L, N, B, K, D]`) into `blocks` (int32 `[N]`) of every layer (swap in)."""
+    return KVPool(pool.k.at[:, blocks].set(k.astype(pool.k.dtype)), pool.v.at[:, blocks].set(v.astype(pool.v.dtype)))

@@ -69,6 +69,11 @@ class Scheduler:
         self.swapped: list[Request] = []  # ordered by (priority, arrival)
         self.running: list[Request] = []
         self.swap_used_blocks = 0
+        # Prefix-cache hit rate, in prompt tokens over every admission.
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_swapped = 0  # preemptions by swap
+        self.num_recomputed = 0  # preemptions by recompute
         self._copies: dict[int, list[BlockCopy]] = {}  # id(request) -> this step's copies
 
     def add(self, request: Request) -> None:
@@ -147,12 +152,14 @@ class Scheduler:
                 and self.swap_used_blocks + n_blocks <= self.config.swap_space_blocks):
             plan.swap_out.append((request, request.allocation.block_ids[:n_blocks]))
             self.swap_used_blocks += n_blocks
+            self.num_swapped += 1
             self.blocks.free(request.allocation)
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=_order)
         else:
             self.blocks.free(request.allocation)
             request.num_computed_tokens = 0
+            self.num_recomputed += 1
             self.add(request)  # keeps its priority and arrival, so it goes back near the front
 
     def _fork(self, parent: Request, plan: StepPlan) -> list[Request]:
@@ -211,6 +218,8 @@ class Scheduler:
             return 0
         request.allocation = self.blocks.allocate(allocation, cached + n)
         request.num_computed_tokens = cached
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += cached
         if request.num_preemptions == 0:
             request.num_cached_tokens = cached
         self.waiting.pop(0)

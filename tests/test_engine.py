@@ -38,14 +38,54 @@ def test_greedy_batch_equals_dense_forward(llm):
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_usable_blocks
 
 
-def test_alone_equals_in_batch_and_under_preemption():
-    # 9 usable blocks of 8 tokens: six prompts cannot all stay resident, so requests get preempted.
-    small = LLM("tiny-llama", num_blocks=10, block_size=8, max_num_seqs=8, max_num_batched_tokens=16)
+@pytest.mark.parametrize("swap", [False, True])
+def test_alone_equals_in_batch_and_under_preemption(swap):
+    # 9 usable blocks of 8 tokens: five prompts cannot all stay resident, so requests get preempted,
+    # by swap (every preempted sequence, threshold 1 token) or by recompute (no swap space).
+    small = LLM("tiny-llama", num_blocks=10, block_size=8, max_num_seqs=8, max_num_batched_tokens=16,
+                swap_space_bytes=(1 << 20) * swap, swap_threshold_tokens=1, kv_watermark=0.0)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     together = small.generate(PROMPTS[:5], greedy)
+    sch = small.engine.scheduler
+    assert (sch.num_swapped > 0, sch.num_recomputed > 0) == (swap, not swap)
     for p, out in zip(PROMPTS[:5], together):
         assert out.token_ids == small.generate([p], greedy)[0].token_ids
-    assert small.engine.blocks.num_free_blocks == 9
+    assert small.engine.blocks.num_free_blocks == 9 and sch.swap_used_blocks == 0
+
+
+def test_prefix_cache_hit_gives_same_tokens_and_salt_isolates(llm):
+    engine = llm.engine
+    prompt = list(range(200, 250))  # 50 tokens: 3 full blocks of 16 cacheable
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def run(salt=None):
+        engine.add_request(prompt, sp, cache_salt=salt)
+        while True:
+            for out in engine.step():
+                if out.finished:
+                    return out
+
+    miss, hit, other_tenant = run(), run(), run("tenant-b")
+    assert (miss.num_cached_tokens, hit.num_cached_tokens, other_tenant.num_cached_tokens) == (0, 48, 0)
+    assert hit.token_ids == miss.token_ids == other_tenant.token_ids == _dense_greedy(llm, prompt, 6)
+    with pytest.raises(InvalidRequestError, match="cache_salt"):
+        engine.add_request(prompt, sp, cache_salt=3)
+
+
+def test_n_samples_share_the_prompt_and_follow_their_seeds(llm):
+    prompt = list(range(3, 23))  # 20 tokens: the forked last token lands in a shared partial block
+    sp = SamplingParams(temperature=1.0, seed=77, max_tokens=8, ignore_eos=True, n=3)
+    outs = llm.generate([prompt, PROMPTS[0]], [sp, SamplingParams(temperature=0, max_tokens=2)])
+    assert len(outs) == 4 and [o.index for o in outs[:3]] == [0, 1, 2]
+    for i, out in enumerate(outs[:3]):  # sample i is the n = 1 request with seed 77 + i
+        single = SamplingParams(temperature=1.0, seed=77 + i, max_tokens=8, ignore_eos=True)
+        assert out.token_ids == llm.generate([prompt], single)[0].token_ids
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2))
+    assert greedy[0].token_ids == greedy[1].token_ids == _dense_greedy(llm, prompt, 5)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_usable_blocks
+    with pytest.raises(InvalidRequestError, match="n=9 exceeds max_num_seqs"):
+        llm.generate([prompt], SamplingParams(n=9))
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
