@@ -6,7 +6,7 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from checkpoints import DEFAULT_MODEL, load_model
+from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 
@@ -19,15 +19,17 @@ class LLM:
 
     Args:
       model: a preset name, a path (GGUF file, Hugging Face directory, Orbax
-        directory) or the default real model `smollm2-135m-instruct`.
+        directory), the default real model `smollm2-135m-instruct`, or an
+        already loaded `checkpoints.LoadedModel` (engines of one model share
+        compiled programs).
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, dtype: str | None = None, **engine_args):
-        loaded = load_model(model, dtype=dtype)
+    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None, **engine_args):
+        loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded, EngineConfig(**engine_args))
 

@@ -77,11 +77,13 @@ def forward_logits(model, pool: KVPool, batch: StepBatch, attention: Callable):
     return model.logits(hidden[batch.logits_indices]), pool
 
 
+@functools.cache
 def make_step(graphdef: nnx.GraphDef, attention: Callable):
     """Returns the jitted `step(state, pool, batch) -> (tokens int32 [S], pool)`.
 
     The weights (`state`) are an argument, not a constant; the pool is donated
-    so KV writes happen in place.
+    so KV writes happen in place. Cached on (graphdef, attention), so engines
+    of the same model in one process share compiled programs.
     """
 
     @functools.partial(jax.jit, donate_argnums=(1,))

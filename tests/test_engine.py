@@ -120,13 +120,29 @@ def test_stop_string_truncates_text_and_streams_consistently(llm):
     assert "".join(deltas) == out.text
 
 
-def test_context_limit_rule():
+def test_context_limit_rule_rejects_each_bad_request_alone():
+    """The rule: a prompt needs 1 to max_model_len - 1 tokens; generation ends with "length" at
+    max_tokens or when the sequence reaches max_model_len. Bad requests arriving while others run
+    are refused one by one; the running ones finish with unchanged tokens."""
     small = LLM("tiny-llama", num_blocks=48, block_size=16, max_model_len=40)
-    assert small.engine.max_model_len == 40
-    with pytest.raises(InvalidRequestError, match="context limit is 40"):
-        small.generate([list(range(3, 43))], SamplingParams(max_tokens=1))
-    out = small.generate([list(range(3, 42))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
-    assert len(out.token_ids) == 1 and out.finish_reason == "length"  # 39 + 1 = 40 tokens
+    eng = small.engine
+    assert eng.max_model_len == 40
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    running = eng.add_request(PROMPTS[2], greedy)
+    eng.step()
+    for prompt, match in [([], "prompt is empty"), (list(range(3, 43)), "context limit is 40"),
+                          (list(range(3, 44)), "context limit is 40")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            eng.add_request(prompt, greedy)
+    at_limit = eng.add_request(list(range(3, 42)), greedy)  # 39 + 1 = 40 tokens
+    one = eng.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=1))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[running.request_id].token_ids == _dense_greedy(small, PROMPTS[2], 8)
+    assert (len(done[at_limit.request_id].token_ids), done[at_limit.request_id].finish_reason) == (1, "length")
+    assert done[one.request_id].token_ids == _dense_greedy(small, PROMPTS[1], 1)
+    assert done[one.request_id].finish_reason == "length"
 
 
 @pytest.mark.parametrize("prompt,params,match", [
