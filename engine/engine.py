@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import time
 
 import jax
 import numpy as np
@@ -171,6 +172,9 @@ class Engine:
         self._seeds: dict[str, int] = {}
         self._children: dict[str, list[Request]] = {}  # n > 1 requests after their fork
         self.num_steps = 0
+        # Cumulative wall time: host work (schedule, pack, block ops, outputs) and the device step.
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -234,22 +238,28 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         self._apply_block_ops(plan)
         for parent, children in plan.forks:
             self._fork(parent, children)
         if not plan.seqs:
+            self.host_seconds += time.perf_counter() - t0
             return []
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
                       self.seq_buckets, self._seeds)
+        t1 = time.perf_counter()
         tokens, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
         tokens = np.asarray(tokens)  # the step's one device-to-host read
+        t2 = time.perf_counter()
         self.scheduler.commit(plan)
         self.num_steps += 1
         outputs = []
         for i, s in enumerate(plan.seqs):
             if s.sample:
                 outputs.append(self._append(s.request, int(tokens[i])))
+        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self.device_seconds += t2 - t1
         return outputs
 
     def _append(self, request: Request, token: int) -> RequestOutput:
