@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from engine.compilation import compilation_count, enable_persistent_cache
+from engine.speculative import AdaptiveSpeculation, SpecBatch, SpeculationConfig, make_spec_step
 from engine.step import KVPool, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
 from model.llama import Llama
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -84,6 +85,21 @@ class RequestOutput:
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
     index: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Speculative decoding (zero without a draft): draft tokens proposed and
+    # accepted, and target steps that emitted tokens (decode or verify).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_target_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens; None if nothing was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per target step that emitted any (1.0 without speculation)."""
+        return len(self.token_ids) / max(self.num_target_steps, 1)
 
     @property
     def finished(self) -> bool:
@@ -128,9 +144,15 @@ class Engine:
     Args:
       model: a `checkpoints.LoadedModel` (config, params, tokenizer).
       config: engine limits.
+      draft: a `LoadedModel` of a draft model with the target's vocabulary, for
+        speculative decoding (None: no speculation).
+      speculation: K and the adaptive-speculation settings (with a draft).
+    Raises:
+      ValueError: bad limits, or a draft whose vocabulary differs.
     """
 
-    def __init__(self, model, config: EngineConfig = EngineConfig()):
+    def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None,
+                 speculation: SpeculationConfig | None = None):
         enable_persistent_cache()
         cfg = model.config
         self.model_config = cfg
@@ -139,7 +161,12 @@ class Engine:
         llama = Llama(cfg, params=model.params)
         self.graphdef, self.state = nnx.split(llama)
         B = config.block_size
-        bytes_per_block = 2 * cfg.num_layers * B * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+        bytes_per_block = _kv_bytes_per_block(cfg, B)
+        if draft is not None:
+            if draft.config.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                                 f"({cfg.vocab_size})")
+            bytes_per_block += _kv_bytes_per_block(draft.config, B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
@@ -166,6 +193,13 @@ class Engine:
             from pallas_kernels.ragged_paged_attention import ragged_paged_attention
             attention = ragged_paged_attention
         self._step = make_step(self.graphdef, attention)
+        self.draft_config = draft.config if draft is not None else None
+        self.speculation = None
+        if draft is not None:
+            self.draft_graphdef, self.draft_state = nnx.split(Llama(draft.config, params=draft.params))
+            self.draft_pool = KVPool.zeros(draft.config, num_blocks, B)
+            self.speculation = AdaptiveSpeculation(speculation or SpeculationConfig())
+            self._attention_fn = attention
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, _Detokenizer] = {}
@@ -186,6 +220,12 @@ class Engine:
         sequence reaches `max_model_len`, even before `max_tokens`.
         """
         sampling.validate()
+        k = sampling.num_speculative_tokens
+        if k and self.speculation is None:
+            raise InvalidRequestError("speculation is not available: the engine has no draft model")
+        if k is not None and self.speculation is not None and k > self.speculation.config.num_speculative_tokens:
+            raise InvalidRequestError(f"num_speculative_tokens={k} exceeds the engine's "
+                                      f"{self.speculation.config.num_speculative_tokens}")
         if sampling.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)
@@ -201,18 +241,22 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be in [0, {V}); got {bad[:5]}")
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    request_class: str = "default") -> Request:
         """Queues a request; raises InvalidRequestError (and queues nothing) if it is invalid.
 
         `priority`: lower values are admitted first and preempted last.
         `cache_salt`: requests share prefix-cache entries only with the same salt.
+        `request_class`: speculation adapts K to the acceptance rate per class.
         """
+        if not isinstance(request_class, str):
+            raise InvalidRequestError(f"request_class must be a string, got {request_class!r}")
         self.validate(prompt_token_ids, sampling)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {cache_salt!r}")
-        kwargs = {"priority": priority, "cache_salt": cache_salt}
+        kwargs = {"priority": priority, "cache_salt": cache_salt, "request_class": request_class}
         if request_id is not None:
             kwargs["request_id"] = request_id
         request = Request([int(t) for t in prompt_token_ids], sampling, self.eos_token_ids, **kwargs)
@@ -239,6 +283,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
         t0 = time.perf_counter()
+        if self.speculation is not None:
+            for r in self.scheduler.running:
+                r.spec_k = self.speculation.k_for(r.request_id, r.request_class,
+                                                  r.sampling.num_speculative_tokens, self.num_steps)
         plan = self.scheduler.schedule()
         self._apply_block_ops(plan)
         for parent, children in plan.forks:
@@ -246,40 +294,71 @@ class Engine:
         if not plan.seqs:
             self.host_seconds += time.perf_counter() - t0
             return []
+        K = None
+        if self.speculation is not None:  # two programs per bucket: no drafts, or the configured K
+            K = self.speculation.config.num_speculative_tokens if any(s.num_draft for s in plan.seqs) else 0
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
-                      self.seq_buckets, self._seeds)
+                      self.seq_buckets, self._seeds, K)
         t1 = time.perf_counter()
-        tokens, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
-        tokens = np.asarray(tokens)  # the step's one device-to-host read
+        tokens, num_emitted = self._run(packed, K)
         t2 = time.perf_counter()
-        self.scheduler.commit(plan)
+        accepted = [int(num_emitted[i]) - 1 if s.num_draft else 0 for i, s in enumerate(plan.seqs)]
+        self.scheduler.commit(plan, accepted)
         self.num_steps += 1
         outputs = []
         for i, s in enumerate(plan.seqs):
-            if s.sample:
-                outputs.append(self._append(s.request, int(tokens[i])))
+            if not s.sample:
+                continue
+            r = s.request
+            r.num_target_steps += 1
+            if s.num_draft:
+                r.num_draft_tokens += s.num_draft
+                r.num_accepted_tokens += accepted[i]
+                self.speculation.update(r.request_id, r.request_class, s.num_draft, accepted[i], self.num_steps)
+            outputs.append(self._append(r, tokens[i, :num_emitted[i]].tolist()))
         self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self.device_seconds += t2 - t1
         return outputs
 
-    def _append(self, request: Request, token: int) -> RequestOutput:
-        reason = request.append_token(token, self.max_model_len)
+    def _run(self, packed: PackedBatch, K: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Runs the step program; returns (tokens int32 [S, K+1], num_emitted int32 [S]) on the host."""
+        batch = StepBatch.from_packed(packed)
+        if K is None:
+            tokens, self.pool = self._step(self.state, self.pool, batch)
+            tokens = np.asarray(tokens)[:, None]  # the step's one device-to-host read
+            return tokens, np.ones(len(tokens), np.int32)
+        step = make_spec_step(self.graphdef, self.draft_graphdef, self._attention_fn, K)
+        tokens, num_emitted, self.pool, self.draft_pool = step(
+            self.state, self.draft_state, self.pool, self.draft_pool, batch, SpecBatch.from_packed(packed.spec))
+        return jax.device_get((tokens, num_emitted))  # the step's one device-to-host read
+
+    def _append(self, request: Request, tokens: list[int]) -> RequestOutput:
+        """Appends emitted tokens one by one; the first that finishes the request ends it (the rest are dropped)."""
         detok = self._detok[request.request_id]
-        if detok.update(request.output_token_ids):
-            reason = FinishReason.STOP
+        reason = None
+        for n, token in enumerate(tokens, 1):
+            reason = request.append_token(token, self.max_model_len)
+            if detok.update(request.output_token_ids):
+                reason = FinishReason.STOP
+            if reason is not None:
+                tokens = tokens[:n]
+                break
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._forget(request)
         user_id = request.parent.request_id if request.parent else request.request_id
         return RequestOutput(user_id, request.prompt_token_ids, detok.text,
                              list(request.output_token_ids), reason.value if reason else None,
-                             detok.delta(final=reason is not None), [token], request.index,
-                             request.num_cached_tokens)
+                             detok.delta(final=reason is not None), tokens, request.index,
+                             request.num_cached_tokens, request.num_draft_tokens, request.num_accepted_tokens,
+                             request.num_target_steps)
 
     def _forget(self, request: Request) -> None:
         """Drops the engine's bookkeeping of a finished request."""
         rid = request.request_id
         del self._requests[rid], self._detok[rid], self._seeds[rid]
+        if self.speculation is not None:
+            self.speculation.forget(rid)
         if request.parent is not None:
             siblings = self._children[request.parent.request_id]
             if all(c.finished for c in siblings):
@@ -297,19 +376,24 @@ class Engine:
 
     def _apply_block_ops(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
+        pools = ["pool"] + (["draft_pool"] if self.speculation is not None else [])
         for request, blocks in plan.swap_out:
-            k, v = gather_blocks(self.pool, self._block_ids(blocks))
-            request.swapped_kv = (np.asarray(k)[:, :len(blocks)], np.asarray(v)[:, :len(blocks)])
+            ids = self._block_ids(blocks)
+            request.swapped_kv = [np.asarray(x)[:, :len(blocks)]
+                                  for name in pools for x in gather_blocks(getattr(self, name), ids)]
         for request, blocks in plan.swap_in:
-            k, v = request.swapped_kv
+            kv = request.swapped_kv
             request.swapped_kv = None
             ids = self._block_ids(blocks)
             pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
-            self.pool = scatter_blocks(self.pool, ids, np.pad(k, pad), np.pad(v, pad))
+            for j, name in enumerate(pools):
+                k, v = kv[2 * j], kv[2 * j + 1]
+                setattr(self, name, scatter_blocks(getattr(self, name), ids, np.pad(k, pad), np.pad(v, pad)))
         if plan.copies:
             src = self._block_ids([c.src for c in plan.copies])
             dst = self._block_ids([c.dst for c in plan.copies])
-            self.pool = copy_blocks(self.pool, src, dst)
+            for name in pools:
+                setattr(self, name, copy_blocks(getattr(self, name), src, dst))
 
     def _block_ids(self, blocks) -> np.ndarray:
         """Block ids padded with the reserved block 0 to a block-op bucket."""
@@ -326,15 +410,20 @@ class Engine:
 
     def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
         """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count."""
+        spec_ks = [None] if self.speculation is None else [0, self.speculation.config.num_speculative_tokens]
         for T, S in buckets or self.buckets:
-            packed = _padding_batch(T, S, self.max_blocks_per_seq)
-            _, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
+            for K in spec_ks:
+                self._run(_padding_batch(T, S, self.max_blocks_per_seq, K), K)
         if buckets is None:  # the block-op programs too (copy-on-write and swap)
             for n in self.block_op_buckets:
                 ids = np.zeros(n, np.int32)
                 self.pool = copy_blocks(self.pool, ids, ids)
                 k, v = gather_blocks(self.pool, ids)
                 self.pool = scatter_blocks(self.pool, ids, k, v)
+                if self.speculation is not None:
+                    self.draft_pool = copy_blocks(self.draft_pool, ids, ids)
+                    k, v = gather_blocks(self.draft_pool, ids)
+                    self.draft_pool = scatter_blocks(self.draft_pool, ids, k, v)
         jax.block_until_ready(self.pool)
         return len(buckets or self.buckets)
 
@@ -343,6 +432,10 @@ class Engine:
         return compilation_count()
 
 
-def _padding_batch(T: int, S: int, max_blocks: int) -> PackedBatch:
+def _kv_bytes_per_block(cfg, block_size: int) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def _padding_batch(T: int, S: int, max_blocks: int, spec_k: int | None = None) -> PackedBatch:
     """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
-    return pack(StepPlan([], []), 1, max_blocks, (T,), (S,), {})
+    return pack(StepPlan([], []), 1, max_blocks, (T,), (S,), {}, spec_k)

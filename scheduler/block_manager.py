@@ -146,6 +146,13 @@ class BlockManager:
         allocation._node = None
         self._keep_watermark()
 
+    def truncate(self, allocation: Allocation, num_tokens: int) -> None:
+        """Frees the blocks past the first `num_tokens` tokens (rejected draft positions)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(allocation._blocks) > keep:
+            self._release(allocation._blocks.pop())
+        self._keep_watermark()
+
     def fork(self, allocation: Allocation) -> Allocation:
         """A new allocation sharing every block of `allocation` (one more reference each).
 

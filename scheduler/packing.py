@@ -45,13 +45,30 @@ class PackedBatch:
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
     num_seqs: int  # real sequences (the rest is padding)
+    spec: SpecArrays | None = None  # present when the step runs with a draft model
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecArrays:
+    """Where the draft tokens of a speculative step go (K = the step's largest draft length).
+
+    A row with `num_draft = k` packs its last accepted token followed by `k`
+    placeholder tokens; the device writes the draft tokens into them.
+    """
+
+    num_draft: np.ndarray  # int32 [S]
+    draft_token_index: np.ndarray  # int32 [S, K]; packed index of placeholder j, T where none (dropped)
+    verify_indices: np.ndarray  # int32 [S, K+1]; packed index of the last real token, then the placeholders
+    draft_slots: np.ndarray  # int32 [K, S]; slot of placeholder j (draft pass j writes there), 0 where none
 
 
 def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets: tuple[int, ...],
-         seq_buckets: tuple[int, ...], seeds: dict[str, int]) -> PackedBatch:
+         seq_buckets: tuple[int, ...], seeds: dict[str, int], spec_k: int | None = None) -> PackedBatch:
     """Packs `plan` into the smallest (token, sequence) bucket that holds it.
 
     `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
+    `spec_k`: the step runs with a draft model and draft length K (>= every
+    row's `num_draft`); None for a plain step (no row may have draft tokens).
     """
     n_seqs = len(plan.seqs)
     T = bucket_for(max(plan.num_tokens, 1), token_buckets)
@@ -68,23 +85,43 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     top_p = np.ones(S, np.float32)
     min_p = np.zeros(S, np.float32)
     seed_arr = np.zeros(S, np.uint32)
+    K = spec_k or 0
+    num_draft = np.zeros(S, np.int32)
+    draft_token_index = np.full((S, K), T, np.int32)
+    verify_indices = np.zeros((S, K + 1), np.int32)
+    draft_slots = np.zeros((K, S), np.int32)
     t = 0
     for i, s in enumerate(plan.seqs):
         r = s.request
         end = s.start + s.num_new_tokens
+        real_end = end - s.num_draft  # the placeholders stay 0 here
         blocks = np.asarray(r.allocation.block_ids, np.int32)
         pos = np.arange(s.start, end, dtype=np.int32)
-        token_ids[t:t + s.num_new_tokens] = r.token_ids(s.start, end)
+        token_ids[t:t + real_end - s.start] = r.token_ids(s.start, real_end)
         positions[t:t + s.num_new_tokens] = pos
-        slot_mapping[t:t + s.num_new_tokens] = blocks[pos // block_size] * block_size + pos % block_size
+        slots = blocks[pos // block_size] * block_size + pos % block_size
+        slot_mapping[t:t + s.num_new_tokens] = slots
+        last = t + real_end - s.start - 1
         t += s.num_new_tokens
         query_start_loc[i + 1] = t
         seq_lens[i] = end
         block_tables[i, :len(blocks)] = blocks
-        logits_indices[i] = t - 1
+        logits_indices[i] = last
+        if s.num_draft:
+            k = s.num_draft
+            num_draft[i] = k
+            draft_token_index[i, :k] = np.arange(last + 1, last + 1 + k)
+            draft_slots[:k, i] = slots[-k:]
+        verify_indices[i] = last
+        verify_indices[i, 1:s.num_draft + 1] = np.arange(last + 1, last + 1 + s.num_draft)
         sp = r.sampling
         temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed_arr[i] = seeds[r.request_id]
     query_start_loc[n_seqs + 1:] = t
+    spec = None
+    if spec_k is not None:
+        spec = SpecArrays(num_draft, draft_token_index, verify_indices, draft_slots)
+    elif any(s.num_draft for s in plan.seqs):
+        raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, n_seqs)
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, n_seqs, spec)

@@ -28,6 +28,9 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (benchmarks).
     n: independent samples of the prompt; they share the prompt's KV blocks
       (copy-on-write) and sample `i` uses seed `seed + i` (mod 2**32).
+    num_speculative_tokens: draft tokens per verify step for this request:
+      None takes the engine's (adaptive) choice, 0 turns speculation off, k
+      caps it at k. Output follows the same distribution either way.
     """
 
     temperature: float = 1.0
@@ -40,6 +43,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         # A lone string is one stop string, not a sequence of characters.
@@ -61,6 +65,9 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 256:
             raise InvalidRequestError(f"n must be an integer in [1, 256], got {self.n!r}")
+        k = self.num_speculative_tokens
+        if k is not None and not (_is_int(k) and k >= 0):
+            raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0 or None, got {k!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -125,6 +132,11 @@ class Request:
     index: int = 0  # sample index among the parent's children
     swapped_kv: object = None  # host copy of the KV while swapped out (the engine's)
     num_preemptions: int = 0
+    spec_k: int = 0  # draft tokens wanted at the next decode step (set by the engine)
+    num_draft_tokens: int = 0  # proposed by the draft, over the request's life
+    num_accepted_tokens: int = 0
+    num_target_steps: int = 0  # steps that emitted tokens for this request
+    request_class: str = "default"  # acceptance rates are tracked per class
 
     @property
     def is_parent(self) -> bool:

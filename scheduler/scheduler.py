@@ -30,8 +30,9 @@ class SchedulerConfig:
 class ScheduledSeq:
     request: Request
     start: int  # first token index computed this step (= num_computed_tokens before)
-    num_new_tokens: int
+    num_new_tokens: int  # including `num_draft` placeholders for draft tokens
     sample: bool  # this chunk reaches the end of the request's tokens: sample the next one
+    num_draft: int = 0  # draft tokens to verify after the last real token
 
 
 @dataclasses.dataclass
@@ -88,8 +89,9 @@ class Scheduler:
 
         Invariant: there are no prefill or decode phases; every scheduled
         request computes some of its missing tokens
-        (`num_schedulable_tokens - num_computed_tokens`), and a request's
-        scheduled tokens always have blocks. Order: running decodes, then
+        (`num_schedulable_tokens - num_computed_tokens`), plus, for a decode
+        with `spec_k > 0`, up to `spec_k` draft tokens counted in the budget;
+        a request's scheduled tokens always have blocks. Order: running decodes, then
         running (chunked) prefills, each by priority then arrival and each
         taking what is left of the token budget; when one cannot get a block,
         the lowest-priority, latest-arrived running request is preempted. Then
@@ -106,7 +108,9 @@ class Scheduler:
             if budget == 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                budget -= self._schedule_running(request, min(_missing(request), budget), plan)
+                n = min(_missing(request), budget)
+                k = self._draft_len(request, budget) if _missing(request) == 1 else 0
+                budget -= self._schedule_running(request, n + k, plan, k)
         while self.swapped and budget > 0 and self._num_slots() < self.config.max_num_seqs:
             n = self._swap_in(self.swapped[0], budget, plan)
             if n == 0:
@@ -122,7 +126,17 @@ class Scheduler:
 
     # ---- running requests ---------------------------------------------------------------
 
-    def _schedule_running(self, request: Request, n: int, plan: StepPlan) -> int:
+    def _draft_len(self, request: Request, budget: int) -> int:
+        """Draft tokens for a decode: its `spec_k`, bounded by the budget, `max_tokens` and the context limit.
+
+        A verify step emits at most num_draft + 1 tokens, so num_draft stays
+        below both what `max_tokens` and `max_model_len` leave.
+        """
+        left = min(request.sampling.max_tokens - len(request.output_token_ids),
+                   self.config.max_model_len - request.num_tokens)
+        return max(0, min(request.spec_k, budget - 1, left - 1))
+
+    def _schedule_running(self, request: Request, n: int, plan: StepPlan, num_draft: int = 0) -> int:
         """Schedules `n` tokens of a running request, preempting others for blocks; returns tokens used."""
         while True:
             try:
@@ -136,7 +150,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is request:
                     return 0
-        plan.seqs.append(_plan(request, n))
+        plan.seqs.append(_plan(request, n, num_draft))
         return n
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
@@ -237,11 +251,20 @@ class Scheduler:
 
     # ---- after the step -----------------------------------------------------------------
 
-    def commit(self, plan: StepPlan) -> None:
-        """Marks the plan's tokens as computed and caches full blocks (call after the step ran)."""
-        for s in plan.seqs:
+    def commit(self, plan: StepPlan, num_accepted: list[int] | None = None) -> None:
+        """Marks the plan's tokens as computed and caches full blocks (call after the step ran).
+
+        `num_accepted[i]`: draft tokens of `plan.seqs[i]` the verify accepted
+        (their KV stays); the rejected ones are forgotten and the blocks that
+        only they used go back to the pool. Call before appending the
+        emitted tokens.
+        """
+        for i, s in enumerate(plan.seqs):
             r = s.request
-            r.num_computed_tokens = s.start + s.num_new_tokens
+            accepted = num_accepted[i] if num_accepted is not None else 0
+            r.num_computed_tokens = s.start + s.num_new_tokens - s.num_draft + accepted
+            if s.num_draft:
+                self.blocks.truncate(r.allocation, r.num_computed_tokens)
             self.blocks.cache_blocks(r.allocation, r.token_ids, r.num_computed_tokens)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
@@ -274,6 +297,7 @@ def _missing(request: Request) -> int:
     return request.num_schedulable_tokens - request.num_computed_tokens
 
 
-def _plan(request: Request, n: int) -> ScheduledSeq:
+def _plan(request: Request, n: int, num_draft: int = 0) -> ScheduledSeq:
     start = request.num_computed_tokens
-    return ScheduledSeq(request, start, n, not request.is_parent and start + n == request.num_tokens)
+    return ScheduledSeq(request, start, n, not request.is_parent and start + n - num_draft == request.num_tokens,
+                        num_draft)

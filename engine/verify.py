@@ -1,0 +1,186 @@
+"""Exact speculative sampling: draft proposals and their verification by the target.
+
+Source: Leviathan et al. 2023, *Fast Inference from Transformers via
+Speculative Decoding*, §2.3 and Algorithm 1; Chen et al. 2023, *Accelerating
+LLM Decoding with Speculative Sampling*, Algorithm 2. Notation as in
+DESIGN.md: `q` is the target's distribution, `p` the draft's, both taken
+AFTER the request's temperature, top-k, top-p and min-p (`engine.sampler.
+filter_logits`), so the emitted tokens follow exactly the distribution that
+`engine.sampler.sample` draws from.
+
+Randomness. Every random draw is keyed by (seed, stream, position), so a
+seeded request is reproducible and independent of the batch, of its row and
+of the speculation length:
+  - the token the target emits last in a step (the correction or bonus token)
+    uses `fold_in(key(seed), position)` and Gumbel-max, exactly as
+    `engine.sampler.sample` does; a row with no draft tokens therefore emits
+    the same token as the plain sampler, bit for bit;
+  - acceptance uniforms use `fold_in(fold_in(key(seed), ACCEPT_STREAM), position)`;
+  - draft tokens use `fold_in(fold_in(key(seed), DRAFT_STREAM), position)`.
+The stream tags are >= 2**31, never a position (positions are int32 >= 0).
+That matters: with threefry, `fold_in(k, d)` is the same counter block as
+element `d` of `jax.random.bits(k, ...)`, so a small tag would derive the
+draft key from the noise the sampler uses at another position.
+
+Each (stream, position) is consumed at most once along the emitted sequence:
+a step that stops at the first rejection at position `t` has used acceptance
+draws up to `t` and the final draw at `t`, and the next step starts at `t+1`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from engine.sampler import filter_logits
+
+ACCEPT_STREAM = 0xFFFF_FFFF
+DRAFT_STREAM = 0xFFFF_FFFE
+
+
+def _stream_keys(seeds: jax.Array, positions: jax.Array, stream: int | None) -> jax.Array:
+    """Keys `[*positions.shape]` for `seeds [S]` and int32 `positions [S, ...]`."""
+
+    def one(seed, pos):
+        base = jax.random.key(seed)
+        if stream is not None:
+            base = jax.random.fold_in(base, stream)
+        return jax.vmap(lambda p: jax.random.fold_in(base, p))(pos.reshape(-1)).reshape(pos.shape)
+
+    return jax.vmap(one)(seeds, positions)
+
+
+def _gumbel(keys: jax.Array, V: int) -> jax.Array:
+    """float32 Gumbel noise `[S, V]`, drawn as `engine.sampler.sample` draws it."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+
+
+def draft_probs_from_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                            min_p: jax.Array) -> jax.Array:
+    """The draft distribution `p` under the request's sampling settings.
+
+    Args:
+      logits: float32 `[S, V]`, the draft model's logits.
+      temperature, top_k, top_p, min_p: `[S]` as in `engine.sampler.filter_logits`;
+        rows with temperature 0 are greedy.
+    Returns:
+      float32 `[S, V]`: softmax of the filtered logits; one-hot at the argmax for greedy rows.
+    """
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    probs = jax.nn.softmax(filter_logits(logits, t, top_k, top_p, min_p), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature > 0)[:, None], probs, one_hot)
+
+
+@jax.jit
+def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                 seeds: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Draws one draft token per row from `p` and returns `p` for the verifier.
+
+    Args:
+      logits: float32 `[S, V]`, the draft model's logits.
+      temperature, top_k, top_p, min_p: `[S]` as in `engine.sampler.filter_logits`.
+      seeds: uint32 `[S]`, the request's seed.
+      positions: int32 `[S]`, the position the drafted token will take.
+    Returns:
+      (tokens int32 `[S]`, p float32 `[S, V]`); greedy rows take the argmax.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic():
+        t = jnp.where(temperature > 0, temperature, 1.0)
+        filtered = filter_logits(logits, t, top_k, top_p, min_p)
+        noise = _gumbel(_stream_keys(seeds, positions, DRAFT_STREAM), logits.shape[-1])
+        drawn = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+        probs = jax.nn.softmax(filtered, axis=-1)
+        return jnp.where(temperature > 0, drawn, greedy), probs
+
+    def all_greedy():
+        return greedy, jnp.zeros(logits.shape, jnp.float32)
+
+    tokens, probs = jax.lax.cond(jnp.any(temperature > 0), stochastic, all_greedy)
+    one_hot = jax.nn.one_hot(greedy, logits.shape[-1], dtype=jnp.float32)
+    return tokens, jnp.where((temperature > 0)[:, None], probs, one_hot)
+
+
+def _leading_true(mask: jax.Array) -> jax.Array:
+    """Number of leading True values along the last axis: `[S, K]` -> int32 `[S]`."""
+    return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1)
+
+
+@jax.jit
+def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
+           temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, seeds: jax.Array,
+           positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Accepts a prefix of each row's draft tokens and appends one target token.
+
+    Draft token `i` is accepted with probability `min(1, q_i(x_i) / p_i(x_i))`;
+    at the first rejection a token is drawn from `norm(max(0, q_i - p_i))`;
+    when all `num_draft` tokens are accepted a bonus token is drawn from
+    `q_{num_draft}`. Greedy rows (temperature 0) accept while the draft token
+    equals the target's argmax and then emit the argmax. The result follows
+    the target's sampling distribution exactly, for any `p` (Leviathan et al.
+    2023, Theorem 1 / Appendix A.1).
+
+    Args:
+      target_logits: float32 `[S, K+1, V]`; row `s`, slot `i` are the target's
+        logits for position `positions[s] + i` (the last slot scores the bonus).
+      draft_probs: float32 `[S, K, V]`, the draft distribution each draft token
+        was drawn from, after the same filtering (`sample_draft` returns it).
+        It must give positive probability to the drafted token. Unused for
+        greedy rows.
+      draft_tokens: int32 `[S, K]`.
+      num_draft: int32 `[S]`, draft tokens of each row, 0..K; slots past it are
+        ignored. 0 makes the row an ordinary sampling step.
+      temperature, top_k, top_p, min_p: `[S]`, the request's settings as in
+        `engine.sampler.sample` (temperature 0 = greedy).
+      seeds: uint32 `[S]`.
+      positions: int32 `[S]`, the position of the first draft token.
+    Returns:
+      tokens: int32 `[S, K+1]`; row `s` emits `tokens[s, :num_emitted[s]]`
+        (accepted draft tokens, then the correction or bonus token); later
+        slots hold -1.
+      num_emitted: int32 `[S]` in 1..num_draft+1.
+    """
+    S, K1, V = target_logits.shape
+    K = K1 - 1
+    slot = jnp.arange(K1, dtype=jnp.int32)
+    rows = jnp.arange(S)
+    in_draft = slot[None, :K] < num_draft[:, None]  # [S, K]
+
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    n_greedy = _leading_true(in_draft & (draft_tokens == target_argmax[:, :K]))
+    final_greedy = target_argmax[rows, n_greedy]
+
+    def stochastic():
+        t = jnp.where(temperature > 0, temperature, 1.0)
+        per_slot = lambda x: jnp.repeat(x, K1)
+        filtered = filter_logits(target_logits.reshape(S * K1, V), per_slot(t), per_slot(top_k),
+                                 per_slot(top_p), per_slot(min_p)).reshape(S, K1, V)
+        q = jax.nn.softmax(filtered, axis=-1)
+        q_x = jnp.take_along_axis(q[:, :K], draft_tokens[..., None], axis=-1)[..., 0]  # [S, K]
+        p_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+        u_keys = _stream_keys(seeds, positions[:, None] + slot[None, :K], ACCEPT_STREAM)  # [S, K]
+        u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
+        # u < q/p without dividing; u is in [0, 1), so q >= p always accepts.
+        n = _leading_true(in_draft & (u * q_x < p_x))
+        # On rejection draw from max(0, q - p); after full acceptance draw from q,
+        # scoring with the filtered logits themselves so that the draw is the
+        # sampler's, bit for bit.
+        rejected = n < num_draft
+        p_n = jnp.concatenate([draft_probs, jnp.zeros((S, 1, V), draft_probs.dtype)], axis=1)[rows, n]
+        residual = jnp.maximum(q[rows, n] - p_n, 0.0)
+        # If rounding leaves no residual mass (q == p up to float error), q is the limit.
+        use_residual = rejected & jnp.any(residual > 0, axis=-1)
+        scores = jnp.where(use_residual[:, None], jnp.where(residual > 0, jnp.log(residual), -jnp.inf),
+                           filtered[rows, n])
+        noise = _gumbel(_stream_keys(seeds, (positions + n)[:, None], None)[:, 0], V)
+        final = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+        sampled = temperature > 0
+        return jnp.where(sampled, n, n_greedy), jnp.where(sampled, final, final_greedy)
+
+    n, final = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: (n_greedy, final_greedy))
+    draft_padded = jnp.concatenate([draft_tokens, jnp.zeros((S, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(slot[None] < n[:, None], draft_padded,
+                       jnp.where(slot[None] == n[:, None], final[:, None], -1))
+    return tokens, n + 1
