@@ -163,7 +163,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         u_keys = _stream_keys(seeds, positions[:, None] + slot[None, :K], ACCEPT_STREAM)  # [S, K]
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
         # u < q/p without dividing; u is in [0, 1), so q >= p always accepts.
-        n = _leading_true(in_draft & (u * q_x < p_x))
+        n = _leading_true(in_draft & (u * p_x < q_x))
         # On rejection draw from max(0, q - p); after full acceptance draw from q,
         # scoring with the filtered logits themselves so that the draw is the
         # sampler's, bit for bit.
