@@ -233,10 +233,11 @@ _PREFIXES = ([], list(range(7, 19)), list(range(7, 15)) + [40, 41, 42, 43])  # s
                           st.integers(0, 2), st.integers(1, 3), st.sampled_from([None, "a"])),
                 min_size=1, max_size=12),
        st.integers(6, 24), st.sampled_from([4, 8]), st.integers(1, 32), st.integers(1, 4),
-       st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.3]))
-def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, swap_blocks, watermark):
-    """Random arrivals, lengths, shared prefixes, n > 1 samples, salts, priorities and aborts on tiny
-    pools, with swap and recompute preemption. A fake KV pool stores each slot's token id; the test
+       st.integers(0, 12), st.sampled_from([0.0, 0.1, 0.3]), st.booleans())
+def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, swap_blocks, watermark, spec):
+    """Random arrivals, lengths, shared prefixes, n > 1 samples, salts, priorities, aborts and
+    speculative decoding (draft tokens, some accepted) on tiny pools, with swap and recompute
+    preemption. A fake KV pool stores each slot's token id; the test
     applies the plan's swaps and copies and this step's writes exactly as the engine would.
 
     After every step: every scheduled sequence reads back its own tokens at every position through
@@ -264,6 +265,8 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, s
         for r, abort_step in live:
             if abort_step == step and not r.finished:
                 sch.finish(r, FinishReason.ABORT)
+        for r in sch.running:
+            r.spec_k = (step + r.index) % 3 if spec else 0
         plan = sch.schedule()
         for parent, children in plan.forks:
             live.extend((c, None) for c in children)
@@ -275,22 +278,33 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, s
             pool[c.dst] = pool[c.src]
         assert plan.num_tokens <= budget and len(plan.seqs) <= max_seqs and len(sch.running) <= max_seqs
         assert sch.swap_used_blocks <= swap_blocks
-        for s in plan.seqs:
+        emitted = []  # per seq: accepted draft tokens, then one sampled token
+        for i, s in enumerate(plan.seqs):
             r = s.request
             first_admitted.setdefault(r.parent or r, step)
             end = s.start + s.num_new_tokens
+            real_end = end - s.num_draft
+            assert s.num_draft <= r.spec_k and s.start + s.num_new_tokens <= max_len
             table = r.allocation.block_ids
             assert len(table) * block_size >= end
+            drafts = [5 + (step + j) % 4 for j in range(s.num_draft)]
             for pos in range(s.start, end):
-                pool[table[pos // block_size], pos % block_size] = r.token_ids(pos, pos + 1)[0]
-            kv = [pool[table[p // block_size], p % block_size] for p in range(end)]
-            assert kv == r.token_ids(0, end), f"{r.request_id} reads wrong KV"
-        sch.commit(plan)
-        for s in plan.seqs:
+                token = r.token_ids(pos, pos + 1)[0] if pos < real_end else drafts[pos - real_end]
+                pool[table[pos // block_size], pos % block_size] = token
+            kv = [pool[table[p // block_size], p % block_size] for p in range(real_end)]
+            assert kv == r.token_ids(0, real_end), f"{r.request_id} reads wrong KV"
+            accepted = (step * 7 + i) % (s.num_draft + 1)
+            emitted.append(drafts[:accepted] + [5 + (step + r.index) % 3])
+        sch.commit(plan, [len(e) - 1 for e in emitted])
+        for s, tokens in zip(plan.seqs, emitted):
             if s.sample:
-                reason = s.request.append_token(5 + (step + s.request.index) % 3, max_len)
-                if reason is not None:
-                    sch.finish(s.request, reason)
+                for token in tokens:
+                    reason = s.request.append_token(token, max_len)
+                    if reason is not None:
+                        sch.finish(s.request, reason)
+                        break
+            if not s.request.finished:  # rejected draft positions hold no blocks
+                assert len(s.request.allocation.block_ids) == -(-s.request.num_computed_tokens // block_size)
         holders = {}
         for r, _ in live:
             for b in (r.allocation.block_ids if r.allocation else ()):
