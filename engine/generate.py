@@ -21,6 +21,10 @@ flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probabil
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_multi_string("stop", [], "A stop string (repeat the flag for several).")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
+flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
+                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
+flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
+flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                   "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
 
@@ -39,14 +43,19 @@ def main(argv):
                                 min_p=FLAGS.min_p, seed=FLAGS.seed, max_tokens=FLAGS.max_tokens,
                                 stop=tuple(FLAGS.stop))
         params.validate()
-        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention)
+        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
+                  speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
+                  draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens)
         prompt = [{"role": "user", "content": FLAGS.prompt}] if FLAGS.chat else FLAGS.prompt
         outputs = llm.generate([prompt], params,
                                on_output=lambda _, out: print(out.delta_text, end="", flush=True))
     except (InvalidRequestError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"\nerror: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    print(f"\n[finish_reason={outputs[0].finish_reason} tokens={len(outputs[0].token_ids)}]", file=sys.stderr)
+    out = outputs[0]
+    spec = f" acceptance_rate={out.acceptance_rate:.2f}" if out.acceptance_rate is not None else ""
+    print(f"\n[finish_reason={out.finish_reason} tokens={len(out.token_ids)} "
+          f"tokens_per_step={out.tokens_per_step:.2f}{spec}]", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
+from engine.speculative import SpeculationConfig
 from scheduler.request import InvalidRequestError, SamplingParams
 
 # A prompt is text, token ids, or a chat conversation (list of {"role", "content"}).
@@ -23,15 +24,40 @@ class LLM:
         already loaded `checkpoints.LoadedModel` (engines of one model share
         compiled programs).
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
+      speculative: "draft" (a draft model proposes tokens), None (off), or
+        "auto": "draft" when `model` names a model with a bundled default draft
+        (the real SmolLM2 model), else off.
+      draft_model: the draft (bundled name, path, or `LoadedModel`); None takes
+        the model's default draft.
+      num_speculative_tokens: K, the most draft tokens per verify step
+        (adaptive speculation lowers it per request class where acceptance is low).
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
-      ValueError: unknown model name or path, bad engine arguments.
+      ValueError: unknown model name or path, bad engine arguments, a draft
+        asked for where none is known.
     """
 
-    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None, **engine_args):
+    def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
+                 speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
+                 num_speculative_tokens: int = 4, **engine_args):
+        from checkpoints.draft import DEFAULT_DRAFTS, load_draft
+
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
-        self.engine = Engine(loaded, EngineConfig(**engine_args))
+        if speculative not in ("auto", "draft", None):
+            raise ValueError(f"speculative must be 'auto', 'draft' or None, got {speculative!r}")
+        if speculative == "auto":
+            has_default = isinstance(model, str) and model in DEFAULT_DRAFTS
+            speculative = "draft" if draft_model is not None or has_default else None
+        draft = None
+        if speculative == "draft":
+            if draft_model is None:
+                if not isinstance(model, str) or model not in DEFAULT_DRAFTS:
+                    raise ValueError(f"no default draft for {model!r}: pass draft_model")
+                draft_model = DEFAULT_DRAFTS[model]
+            draft = draft_model if isinstance(draft_model, LoadedModel) else load_draft(draft_model, loaded)
+        self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft,
+                             speculation=SpeculationConfig(num_speculative_tokens) if draft else None)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt; chat conversations go through the model's chat template."""

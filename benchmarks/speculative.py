@@ -1,0 +1,126 @@
+"""Speculative decoding on the real model with its distilled draft (fp32, CPU), by prompt domain.
+
+  python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
+      [--max_tokens=64]
+
+For each domain, batch size B and K: B real prompts (chat template, greedy,
+`ignore_eos`) decode together. Decode steps are timed from the second step
+after prefill while all B requests run (so no compilation and no shrinking
+batch is timed): tok/s = tokens emitted in the timed steps / their time.
+
+* alpha: accepted / proposed draft tokens over the whole run.
+* tokens/step: emitted tokens per target step in the timed steps.
+* c: the draft's cost per proposed token relative to a plain target step,
+  c = (t_spec_step - t_plain_step) / (K * t_plain_step), from the timed steps.
+* predicted speed-up (1 + K alpha) / (1 + K c) (the approximation in the issue;
+  Leviathan et al. 2023 §3.4 give the exact expected tokens
+  (1 - alpha^(K+1)) / (1 - alpha)), next to the measured tok/s ratio.
+* adaptive: the default engine (K = 4, speculation switched off per request
+  class below acceptance 0.5) against no speculation, per domain at batch 1.
+
+The draft is never trained on these prompts' evaluation split (see
+checkpoints/drafts/README.md); prompts here are the first ones of each file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../shared/data/prompts.")
+flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
+flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K.")
+flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
+flags.DEFINE_integer("skip", 0, "Skip this many prompts at the start of each file.")
+
+DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
+
+
+def _prompts(tok, domain, n):
+    with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
+        texts = [json.loads(line)["prompt"] for line in f][FLAGS.skip:FLAGS.skip + n]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
+            for t in texts]
+
+
+def _decode(llm, prompts):
+    """Returns (tokens/s, ms per step, tokens per step, acceptance rate or None) over the timed steps."""
+    from engine import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, sp).request_id for p in prompts]
+    outs, steps, tokens, elapsed, untimed = {}, 0, 0, 0.0, 2
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        step_outs = engine.step()
+        dt = time.perf_counter() - t
+        running = len(engine.scheduler.running) + sum(o.finished for o in step_outs)
+        decoding = all(r.num_computed_tokens >= len(r.prompt_token_ids) for r in engine.scheduler.running)
+        if decoding and untimed:
+            untimed -= 1
+        elif decoding and running == len(prompts) and not any(o.finished for o in step_outs):
+            steps, elapsed = steps + 1, elapsed + dt
+            tokens += sum(len(o.delta_token_ids) for o in step_outs)
+        for o in step_outs:
+            outs[o.request_id] = o
+    drafted = sum(outs[i].num_draft_tokens for i in ids)
+    accepted = sum(outs[i].num_accepted_tokens for i in ids)
+    return tokens / elapsed, 1e3 * elapsed / steps, tokens / steps, (accepted / drafted if drafted else None), \
+        [outs[i].token_ids for i in ids]
+
+
+def main(argv):
+    del argv
+    from checkpoints import load_model
+    from checkpoints.draft import DEFAULT_DRAFT, load_draft
+    from engine import LLM
+
+    target = load_model()
+    draft = load_draft(DEFAULT_DRAFT, target)
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    ks = [int(k) for k in FLAGS.ks]
+    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, greedy, "
+          f"{FLAGS.max_tokens} tokens/request)\n")
+    print("| domain | batch | K | alpha | tokens/step | c | ms/step (spec / plain) | tok/s (spec / plain) "
+          "| speed-up measured | (1+K alpha)/(1+K c) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
+    spec_llms = {k: LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=k,
+                        max_num_seqs=16, max_num_batched_tokens=512) for k in ks}
+    for k, llm in spec_llms.items():
+        llm.engine.speculation.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
+    adaptive = {}
+    for domain in FLAGS.domains:
+        for b in batch_sizes:
+            prompts = _prompts(target.tokenizer, domain, b)
+            plain_tps, plain_ms, _, _, want = _decode(plain_llm, prompts)
+            for k, llm in spec_llms.items():
+                tps, ms, per_step, alpha, got = _decode(llm, prompts)
+                assert got == want, "speculative greedy output differs from the target's"
+                c = (ms - plain_ms) / (k * plain_ms)
+                print(f"| {domain} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
+                      f"| {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |")
+        prompts = _prompts(target.tokenizer, domain, 1)
+        default = LLM(target, speculative="draft", draft_model=draft, max_num_seqs=16, max_num_batched_tokens=512)
+        default.engine.speculation.config.retry_after_steps = 10**6
+        plain_tps = _decode(plain_llm, prompts)[0]
+        adaptive[domain] = (_decode(default, prompts)[0], plain_tps)
+    print("\n## Adaptive speculation (default settings), batch 1\n")
+    print("| domain | tok/s adaptive | tok/s no speculation | ratio |")
+    print("|---|---:|---:|---:|")
+    for domain, (a, p) in adaptive.items():
+        print(f"| {domain} | {a:.1f} | {p:.1f} | {a / p:.2f}x |")
+
+
+if __name__ == "__main__":
+    app.run(main)

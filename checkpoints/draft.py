@@ -1,0 +1,111 @@
+"""Draft models for speculative decoding, stored next to the code in `checkpoints/drafts/`.
+
+A draft is a small Llama-family decoder that shares the target's tokenizer and
+vocabulary. To keep the stored file small while V is large, a draft may
+derive its (tied) embedding from the target's:
+
+    draft.embed [V, E] = target.embed [V, E_t] @ embed_projection [E_t, E]
+
+Such a directory holds `config.json` (transformers' Llama keys plus a `draft`
+entry naming the target and its `E_t`) and `model.safetensors` with every
+weight but `model.embed_tokens.weight`, plus `embed_projection`. Loading it
+needs the target's params; the result is an ordinary `LoadedModel` (params
+in `model.llama.param_specs` layout) that runs through the same `Llama`
+module and paged step as the target. A plain Hugging Face directory with the
+same vocabulary also loads as a draft.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import safetensors.numpy
+
+from checkpoints._layout import cast, gather, scatter
+from checkpoints.hf import _NAMES, _open_safetensors, hf_config_dict, load_hf_dir
+from checkpoints.resolve import DEFAULT_MODEL, LoadedModel
+from model.config import ModelConfig
+
+DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
+DEFAULT_DRAFT = "smollm2-135m-draft"
+# The draft each bundled target uses when none is named.
+DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
+PROJECTION = "embed_projection"
+
+
+def draft_names() -> list[str]:
+    """Drafts bundled in `checkpoints/drafts/` (one directory each)."""
+    if not os.path.isdir(DRAFTS_DIR):
+        return []
+    return sorted(n for n in os.listdir(DRAFTS_DIR) if os.path.isfile(os.path.join(DRAFTS_DIR, n, "config.json")))
+
+
+def derived_embed(target_embed: np.ndarray, projection: np.ndarray) -> np.ndarray:
+    """float32 `[V, E]` = target embedding `[V, E_t]` @ projection `[E_t, E]`."""
+    return np.asarray(target_embed, np.float32) @ np.asarray(projection, np.float32)
+
+
+def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.ndarray, path: str | os.PathLike,
+               target_name: str, storage_dtype: str = "bfloat16", extra: dict | None = None) -> None:
+    """Writes a projected-embedding draft (see the module docstring).
+
+    Args:
+      cfg: the draft's config (tied embeddings).
+      params: `param_specs(cfg)` arrays; `embed` is not stored.
+      projection: float32 `[E_t, E]`.
+      target_name: the target it was distilled from (recorded in config.json).
+      storage_dtype: dtype of the stored tensors ("bfloat16" halves the file).
+      extra: more entries for config.json's `draft` record (e.g. training command).
+    Raises:
+      ValueError: if `cfg` does not tie embeddings (an untied head would be stored in full).
+    """
+    if not cfg.tie_word_embeddings:
+        raise ValueError("a projected-embedding draft needs tie_word_embeddings=True")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    stored = cfg.replace(dtype=storage_dtype)
+    tensors = scatter(stored, _NAMES, cast(params, storage_dtype))
+    del tensors[_NAMES["embed"][0]]
+    tensors[PROJECTION] = cast({"p": projection}, storage_dtype)["p"]
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    hf = hf_config_dict(stored)
+    hf["draft"] = {"target": target_name, "target_hidden_size": int(projection.shape[0]),
+                   "embed": f"target.embed @ {PROJECTION}", **(extra or {})}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+
+
+def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
+    """Loads a draft for `target`: a name from `draft_names()` or a directory.
+
+    The draft gets the target's tokenizer, EOS ids and dtype. Raises
+    FileNotFoundError when there is no such draft, ValueError when its
+    vocabulary (or, for a projected embedding, the target's hidden size) does
+    not match the target's.
+    """
+    path = os.path.join(DRAFTS_DIR, name_or_path) if name_or_path in draft_names() else os.path.expanduser(
+        name_or_path)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no draft {name_or_path!r}: known drafts {draft_names()}, or give a directory "
+                                "with config.json and model.safetensors")
+    with open(config_path) as f:
+        hf = json.load(f)
+    dtype = target.config.dtype
+    tcfg = target.config
+    if "draft" not in hf:
+        cfg, params = load_hf_dir(path, dtype)
+    else:
+        cfg = ModelConfig.from_hf_config(path, name=os.path.basename(os.path.normpath(path))).replace(dtype=dtype)
+        e_t = hf["draft"]["target_hidden_size"]
+        if e_t != tcfg.hidden_size:
+            raise ValueError(f"draft {path} projects a hidden size {e_t} embedding; the target has {tcfg.hidden_size}")
+        tensors = _open_safetensors(os.path.join(path, "model.safetensors"))
+        embed = derived_embed(target.params["embed"], tensors[PROJECTION])
+        params = gather(cfg, _NAMES, lambda n: embed if n == _NAMES["embed"][0] else tensors[n])
+    if cfg.vocab_size != tcfg.vocab_size:
+        raise ValueError(f"draft {path} has vocab_size {cfg.vocab_size}; the target has {tcfg.vocab_size}")
+    cfg = cfg.replace(eos_token_ids=tcfg.eos_token_ids, bos_token_id=tcfg.bos_token_id)
+    return LoadedModel(cfg, params, target.tokenizer)
