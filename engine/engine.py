@@ -285,8 +285,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.speculation is not None:
             for r in self.scheduler.running:
-                r.spec_k = self.speculation.k_for(r.request_id, r.request_class,
-                                                  r.sampling.num_speculative_tokens, self.num_steps)
+                r.spec_k = self.speculation.k_for(r.request_id, r.request_class, r.sampling.num_speculative_tokens,
+                                                  self.num_steps, seeded=r.sampling.seed is not None)
         plan = self.scheduler.schedule()
         self._apply_block_ops(plan)
         for parent, children in plan.forks:

@@ -149,10 +149,16 @@ class AdaptiveSpeculation:
         self._off_since: dict[str, int] = {}
         self.request_rate: dict[str, float] = {}
 
-    def k_for(self, request_id: str, request_class: str, requested: int | None, step: int) -> int:
-        """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
+    def k_for(self, request_id: str, request_class: str, requested: int | None, step: int,
+              seeded: bool = False) -> int:
+        """K for a request's next verify step; `requested` is the request's own cap (None: engine default).
+
+        Which positions are drafted changes which random draws a sampled token
+        uses (not its distribution), so a `seeded` request's K depends only on
+        its own history: its output then never depends on other requests.
+        """
         c = self.config
-        k = self.class_k[request_class]
+        k = c.num_speculative_tokens if seeded else self.class_k[request_class]
         if k == 0 and step - self._off_since.get(request_class, step) >= c.retry_after_steps:
             k = self.class_k[request_class] = c.num_speculative_tokens  # retry
             self.class_rate[request_class] = 1.0

@@ -132,8 +132,11 @@ class Scheduler:
         A verify step emits at most num_draft + 1 tokens, so num_draft stays
         below both what `max_tokens` and `max_model_len` leave.
         """
-        if request.is_parent:
-            return 0  # its samples speculate after the fork
+        if request.is_parent or not request.output_token_ids:
+            # Draft only in decode: the first token always comes from a plain
+            # sampling step, so which positions are drafted never depends on
+            # how the prompt was chunked (seeded outputs stay batch-independent).
+            return 0
         left = min(request.sampling.max_tokens - len(request.output_token_ids),
                    self.config.max_model_len - request.num_tokens)
         return max(0, min(request.spec_k, budget - 1, left - 1))

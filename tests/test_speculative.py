@@ -195,3 +195,11 @@ def test_bad_draft_is_switched_off_by_acceptance(target, plain):
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
     assert engine.speculation.class_k["default"] == 0
     assert all(o.num_draft_tokens < 3 * 29 / 2 for o in outs)  # stopped proposing early
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(spec):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True)
+    alone = _run(spec, [PROMPTS[2]], [sp])[0]
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    mixed = _run(spec, [PROMPTS[4], PROMPTS[2], PROMPTS[1], PROMPTS[5]], [others[0], sp, others[1], others[2]])
+    assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
