@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 from engine.compilation import compilation_count, enable_persistent_cache
-from engine.step import KVPool, StepBatch, make_step
+from engine.scoring import ScoreOutput, make_score_step, score_sequence
+from engine.step import KVPool, Sampled, StepBatch, make_step
 from model.llama import Llama
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.block_manager import BlockManager
@@ -64,6 +65,10 @@ class RequestOutput:
     finish_reason: str | None
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # With SamplingParams.logprobs set: one entry per token of `token_ids`,
+    # {token id: log-probability} for the top `logprobs` tokens (most likely
+    # first) and the generated token (last, if not among them).
+    logprobs: list[dict[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -144,10 +149,12 @@ class Engine:
             from pallas_kernels.ragged_paged_attention import ragged_paged_attention
             attention = ragged_paged_attention
         self._step = make_step(self.graphdef, attention)
+        self._score_step = make_score_step(self.graphdef, attention)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, _Detokenizer] = {}
         self._seeds: dict[str, int] = {}
+        self._logprobs: dict[str, list[dict[int, float]]] = {}  # requests that asked for them
         self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------
@@ -188,6 +195,8 @@ class Engine:
         self._requests[request.request_id] = request
         self._detok[request.request_id] = _Detokenizer(self.tokenizer, sampling.stop)
         self._seeds[request.request_id] = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        if sampling.logprobs is not None:
+            self._logprobs[request.request_id] = []
         self.scheduler.add(request)
         return request
 
@@ -198,6 +207,7 @@ class Engine:
             self.scheduler.finish(request, FinishReason.ABORT)
             self._detok.pop(request_id)
             self._seeds.pop(request_id)
+            self._logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -211,18 +221,26 @@ class Engine:
             return []
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
                       self.seq_buckets, self._seeds)
-        tokens, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
-        tokens = np.asarray(tokens)  # the step's one device-to-host read
+        sampled, self.pool = self._step(self.state, self.pool, StepBatch.from_packed(packed))
+        want_logprobs = packed.want_logprobs.any()
+        # The step's one device-to-host read; the log-probabilities only when some request asked.
+        sampled = jax.device_get(sampled if want_logprobs else sampled.tokens)
+        tokens = sampled.tokens if want_logprobs else sampled
         self.scheduler.commit(plan)
         self.num_steps += 1
         outputs = []
         for i, s in enumerate(plan.seqs):
             if s.sample:
-                outputs.append(self._append(s.request, int(tokens[i])))
+                n = s.request.sampling.logprobs
+                logprob = _logprob_entry(sampled, i, n) if n is not None else None
+                outputs.append(self._append(s.request, int(tokens[i]), logprob))
         return outputs
 
-    def _append(self, request: Request, token: int) -> RequestOutput:
+    def _append(self, request: Request, token: int, logprob: dict[int, float] | None = None) -> RequestOutput:
         reason = request.append_token(token, self.max_model_len)
+        logprobs = self._logprobs.get(request.request_id)
+        if logprobs is not None:
+            logprobs.append(logprob)
         detok = self._detok[request.request_id]
         if detok.update(request.output_token_ids):
             reason = FinishReason.STOP
@@ -230,9 +248,23 @@ class Engine:
             self.scheduler.finish(request, reason)
             del self._requests[request.request_id], self._detok[request.request_id]
             del self._seeds[request.request_id]
+            self._logprobs.pop(request.request_id, None)
         return RequestOutput(request.request_id, request.prompt_token_ids, detok.text,
                              list(request.output_token_ids), reason.value if reason else None,
-                             detok.delta(final=reason is not None), [token])
+                             detok.delta(final=reason is not None), [token],
+                             list(logprobs) if logprobs is not None else None)
+
+    # ---- scoring --------------------------------------------------------------------------
+
+    def score(self, token_ids: list[int]) -> ScoreOutput:
+        """Log-probabilities of `token_ids[1:]`, each given the tokens before it (see `ScoreOutput`).
+
+        Runs between steps (same thread as `step`); requests in flight are unaffected.
+        Raises:
+          InvalidRequestError: empty, longer than `max_model_len`, or ids outside [0, V).
+          scheduler.block_manager.NoFreeBlocksError: too few free KV blocks right now.
+        """
+        return score_sequence(self, self._score_step, token_ids)
 
     # ---- compilation ----------------------------------------------------------------------
 
@@ -252,6 +284,13 @@ class Engine:
     @staticmethod
     def compilation_count() -> int:
         return compilation_count()
+
+
+def _logprob_entry(sampled: Sampled, row: int, n: int) -> dict[int, float]:
+    """Row `row`'s top `n` log-probabilities, most likely first, then the sampled token's if not among them."""
+    entry = {int(t): float(v) for t, v in zip(sampled.top_ids[row, :n], sampled.top_logprobs[row, :n])}
+    entry.setdefault(int(sampled.tokens[row]), float(sampled.logprobs[row]))
+    return entry
 
 
 def _padding_batch(T: int, S: int, max_blocks: int) -> PackedBatch:

@@ -1,4 +1,4 @@
-"""Offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""Offline Python API: `LLM(...).generate(prompts, SamplingParams(...))` and `LLM(...).score(texts)`."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 
 from checkpoints import DEFAULT_MODEL, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
+from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 
 # A prompt is text, token ids, or a chat conversation (list of {"role", "content"}).
@@ -100,3 +101,24 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return results
+
+    def score(self, texts: Prompt | Sequence[Prompt]) -> list[ScoreOutput]:
+        """Per-token log-probabilities and log-likelihood of each text (or token-id list), in input order.
+
+        Texts are tokenized as prompts are (the model's BOS only if its
+        tokenizer adds one); the first token is not scored.
+        Raises:
+          InvalidRequestError: naming the first bad text (empty, over `max_model_len` tokens);
+            the texts before it were scored but are not returned.
+          scheduler.block_manager.NoFreeBlocksError: requests in flight hold too many KV blocks.
+        """
+        if isinstance(texts, (str, np.ndarray)) or (
+                isinstance(texts, (list, tuple)) and texts and isinstance(texts[0], (int, np.integer))):
+            texts = [texts]
+        outputs = []
+        for i, text in enumerate(texts):
+            try:
+                outputs.append(self.engine.score(self.encode(text)))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"text {i}: {e}") from None
+        return outputs

@@ -44,6 +44,7 @@ class PackedBatch:
     top_p: np.ndarray  # float32 [S]
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
+    want_logprobs: np.ndarray  # bool [S]; the step computes log-probabilities only if any is set
     num_seqs: int  # real sequences (the rest is padding)
 
 
@@ -68,6 +69,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     top_p = np.ones(S, np.float32)
     min_p = np.zeros(S, np.float32)
     seed_arr = np.zeros(S, np.uint32)
+    want_logprobs = np.zeros(S, bool)
     t = 0
     for i, s in enumerate(plan.seqs):
         r = s.request
@@ -85,6 +87,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         sp = r.sampling
         temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed_arr[i] = seeds[r.request_id]
+        want_logprobs[i] = s.sample and sp.logprobs is not None
     query_start_loc[n_seqs + 1:] = t
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, n_seqs)
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs)

@@ -7,6 +7,8 @@ import enum
 import itertools
 import math
 
+MAX_LOGPROBS = 20  # most top tokens a request may ask log-probabilities for (a static size on device)
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says which field and why."""
@@ -26,6 +28,10 @@ class SamplingParams:
     stop: strings that end generation; the matched string is not returned.
     stop_token_ids: token ids that end generation (besides the model's EOS).
     ignore_eos: keep generating past EOS (benchmarks).
+    logprobs: for every generated token, also return its log-probability and
+      those of the `logprobs` most likely tokens (0 to MAX_LOGPROBS); None
+      returns none. They come from the model's raw distribution, before
+      temperature and truncation (vLLM's convention).
     """
 
     temperature: float = 1.0
@@ -37,6 +43,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         # A lone string is one stop string, not a sequence of characters.
@@ -62,6 +69,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
 
 def _is_int(x) -> bool:
