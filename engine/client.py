@@ -229,7 +229,7 @@ def _main(argv) -> int:
                 for token_id, logprob in zip(result.token_ids[1:], result.token_logprobs):
                     print(f"{token_id}\t{logprob:.4f}\t{client.detokenize([token_id])!r}")
                 print(f"log_likelihood {result.log_likelihood:.4f} over {len(result.token_logprobs)} tokens")
-            elif FLAGS.prompt:
+            elif FLAGS.prompt is not None:
                 _generate(client, FLAGS)
             else:
                 print("error: give --prompt, --info, --tokenize or --score", file=sys.stderr)

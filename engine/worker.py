@@ -132,6 +132,10 @@ class EngineWorker:
                     self.metrics.rejected.inc()
                 _deliver(stream.loop, [(stream, e)])
                 return
+            except Exception as e:  # a bug must not kill the engine thread and hang every caller
+                log.exception("add_request failed")
+                _deliver(stream.loop, [(stream, EngineFailedError(f"add_request failed: {type(e).__name__}: {e}"))])
+                return
             self._streams[stream.request_id] = stream
         elif kind == "abort":
             stream = self._streams.pop(command[1], None)

@@ -439,6 +439,36 @@ def test_tls_server_refuses_plaintext(cycle_server):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_real_model_over_grpc_equals_offline_with_split_characters():
+    """SmolLM2's byte-level BPE splits Japanese characters across tokens: the stream holds the
+    partial bytes back (a message with tokens and no text) and still joins to the offline text."""
+    llm = LLM(num_blocks=32, max_num_seqs=2, max_num_batched_tokens=64)
+    s = ServerThread(llm)
+    try:
+        chat = [{"role": "user", "content": "Say hello in Japanese."}]
+        cases = [{"temperature": 0, "max_tokens": 24}, {"temperature": 0.7, "seed": 4, "max_tokens": 24}]
+
+        async def both():
+            async with AsyncClient(s.target) as c:
+                async def messages(kw):
+                    return [m async for m in c.generate_stream(chat, **kw)]
+                return await asyncio.gather(*(messages(kw) for kw in cases))
+
+        got = asyncio.run(both())
+        want = _offline(s, llm, [chat, chat], [SamplingParams(**kw) for kw in cases])
+    finally:
+        s.stop()
+    held_back = 0
+    for messages, w in zip(got, want):
+        assert [t for m in messages for t in m.token_ids] == w.token_ids
+        assert "".join(m.text for m in messages) == w.text
+        # Only a character cut by max_tokens may show as U+FFFD, in the final flush.
+        assert "\ufffd" not in w.text[:-1] and "\ufffd" not in "".join(m.text for m in messages[:-1])
+        held_back += sum(1 for m in messages if m.token_ids and not m.text)
+    assert any(ord(ch) > 0x3000 for ch in want[0].text), want[0].text  # CJK in the greedy answer
+    assert held_back > 0
+
+
 # ---- the command-line server ---------------------------------------------------------------
 
 def test_serve_exits_cleanly_on_sigterm(tmp_path):
