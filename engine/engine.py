@@ -12,8 +12,9 @@ import numpy as np
 from flax import nnx
 
 from engine.compilation import compilation_count, enable_persistent_cache
+from engine.scoring import ScoreOutput, make_score_step, score_sequence
 from engine.speculative import AdaptiveSpeculation, SpecBatch, SpeculationConfig, make_spec_step
-from engine.step import KVPool, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
+from engine.step import KVPool, Sampled, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
 from model.llama import Llama
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.block_manager import BlockManager
@@ -83,6 +84,10 @@ class RequestOutput:
     finish_reason: str | None
     delta_text: str = ""
     delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # With SamplingParams.logprobs set: one entry per token of `token_ids`,
+    # {token id: log-probability} for the top `logprobs` tokens (most likely
+    # first) and the generated token (last, if not among them).
+    logprobs: list[dict[int, float]] | None = None
     index: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # Speculative decoding (zero without a draft): draft tokens proposed and
@@ -200,11 +205,13 @@ class Engine:
             self.draft_pool = KVPool.zeros(draft.config, num_blocks, B)
             self.speculation = AdaptiveSpeculation(speculation or SpeculationConfig())
             self._attention_fn = attention
+        self._score_step = make_score_step(self.graphdef, attention)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, _Detokenizer] = {}
         self._seeds: dict[str, int] = {}
         self._children: dict[str, list[Request]] = {}  # n > 1 requests after their fork
+        self._logprobs: dict[str, list[dict[int, float]]] = {}  # requests that asked for them
         self.num_steps = 0
         # Cumulative wall time: host work (schedule, pack, block ops, outputs) and the device step.
         self.host_seconds = 0.0
@@ -265,6 +272,8 @@ class Engine:
         self._requests[request.request_id] = request
         self._detok[request.request_id] = _Detokenizer(self.tokenizer, sampling.stop)
         self._seeds[request.request_id] = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        if sampling.logprobs is not None:
+            self._logprobs[request.request_id] = []
         self.scheduler.add(request)
         return request
 
@@ -300,7 +309,7 @@ class Engine:
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
                       self.seq_buckets, self._seeds, K)
         t1 = time.perf_counter()
-        tokens, num_emitted = self._run(packed, K)
+        tokens, num_emitted, sampled = self._run(packed, K)
         t2 = time.perf_counter()
         accepted = [int(num_emitted[i]) - 1 if s.num_draft else 0 for i, s in enumerate(plan.seqs)]
         self.scheduler.commit(plan, accepted)
@@ -315,24 +324,37 @@ class Engine:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
                 self.speculation.update(r.request_id, r.request_class, s.num_draft, accepted[i], self.num_steps)
-            outputs.append(self._append(r, tokens[i, :num_emitted[i]].tolist()))
+            n = r.sampling.logprobs
+            emitted = tokens[i, :num_emitted[i]].tolist()
+            logprobs = [_logprob_entry(sampled, i, j, n) for j in range(len(emitted))] if n is not None else None
+            outputs.append(self._append(r, emitted, logprobs))
         self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self.device_seconds += t2 - t1
         return outputs
 
-    def _run(self, packed: PackedBatch, K: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Runs the step program; returns (tokens int32 [S, K+1], num_emitted int32 [S]) on the host."""
+    def _run(self, packed: PackedBatch, K: int | None) -> tuple[np.ndarray, np.ndarray, Sampled | None]:
+        """Runs the step program and makes the step's one device-to-host read.
+
+        Returns (tokens int32 [S, K+1], num_emitted int32 [S], log-probabilities
+        of each emitted slot as a host `Sampled` with `[S, K+1]` leading dims, or
+        None when no request asked for them).
+        """
         batch = StepBatch.from_packed(packed)
         if K is None:
-            tokens, self.pool = self._step(self.state, self.pool, batch)
-            tokens = np.asarray(tokens)[:, None]  # the step's one device-to-host read
-            return tokens, np.ones(len(tokens), np.int32)
-        step = make_spec_step(self.graphdef, self.draft_graphdef, self._attention_fn, K)
-        tokens, num_emitted, self.pool, self.draft_pool = step(
-            self.state, self.draft_state, self.pool, self.draft_pool, batch, SpecBatch.from_packed(packed.spec))
-        return jax.device_get((tokens, num_emitted))  # the step's one device-to-host read
+            sampled, self.pool = self._step(self.state, self.pool, batch)
+            num_emitted = np.ones(sampled.tokens.shape[0], np.int32)
+        else:
+            step = make_spec_step(self.graphdef, self.draft_graphdef, self._attention_fn, K)
+            sampled, num_emitted, self.pool, self.draft_pool = step(
+                self.state, self.draft_state, self.pool, self.draft_pool, batch, SpecBatch.from_packed(packed.spec))
+        if not packed.want_logprobs.any():
+            tokens, num_emitted = jax.device_get((sampled.tokens, num_emitted))
+            return tokens.reshape(len(num_emitted), -1), num_emitted, None
+        sampled, num_emitted = jax.device_get((sampled, num_emitted))
+        sampled = jax.tree.map(lambda x: x.reshape(len(num_emitted), -1, *x.shape[1:]), sampled)
+        return sampled.tokens, num_emitted, sampled
 
-    def _append(self, request: Request, tokens: list[int]) -> RequestOutput:
+    def _append(self, request: Request, tokens: list[int], logprobs: list[dict] | None = None) -> RequestOutput:
         """Appends emitted tokens one by one; the first that finishes the request ends it (the rest are dropped)."""
         detok = self._detok[request.request_id]
         reason = None
@@ -343,20 +365,25 @@ class Engine:
             if reason is not None:
                 tokens = tokens[:n]
                 break
+        history = self._logprobs.get(request.request_id)
+        if history is not None:
+            history.extend(logprobs[:len(tokens)])
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._forget(request)
         user_id = request.parent.request_id if request.parent else request.request_id
-        return RequestOutput(user_id, request.prompt_token_ids, detok.text,
-                             list(request.output_token_ids), reason.value if reason else None,
-                             detok.delta(final=reason is not None), tokens, request.index,
-                             request.num_cached_tokens, request.num_draft_tokens, request.num_accepted_tokens,
-                             request.num_target_steps)
+        return RequestOutput(
+            user_id, request.prompt_token_ids, detok.text, list(request.output_token_ids),
+            reason.value if reason else None, delta_text=detok.delta(final=reason is not None),
+            delta_token_ids=tokens, logprobs=list(history) if history is not None else None, index=request.index,
+            num_cached_tokens=request.num_cached_tokens, num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens, num_target_steps=request.num_target_steps)
 
     def _forget(self, request: Request) -> None:
         """Drops the engine's bookkeeping of a finished request."""
         rid = request.request_id
         del self._requests[rid], self._detok[rid], self._seeds[rid]
+        self._logprobs.pop(rid, None)
         if self.speculation is not None:
             self.speculation.forget(rid)
         if request.parent is not None:
@@ -370,6 +397,8 @@ class Engine:
         del self._requests[parent.request_id], self._detok[parent.request_id], self._seeds[parent.request_id]
         self._children[parent.request_id] = children
         for c in children:
+            if self._logprobs.pop(parent.request_id, None) is not None or c.sampling.logprobs is not None:
+                self._logprobs[c.request_id] = []
             self._requests[c.request_id] = c
             self._detok[c.request_id] = _Detokenizer(self.tokenizer, c.sampling.stop)
             self._seeds[c.request_id] = (seed + c.index) % 2**32
@@ -400,6 +429,18 @@ class Engine:
         ids = np.zeros(bucket_for(len(blocks), self.block_op_buckets), np.int32)
         ids[:len(blocks)] = blocks
         return ids
+
+    # ---- scoring --------------------------------------------------------------------------
+
+    def score(self, token_ids: list[int]) -> ScoreOutput:
+        """Log-probabilities of `token_ids[1:]`, each given the tokens before it (see `ScoreOutput`).
+
+        Runs between steps (same thread as `step`); requests in flight are unaffected.
+        Raises:
+          InvalidRequestError: empty, longer than `max_model_len`, or ids outside [0, V).
+          scheduler.block_manager.NoFreeBlocksError: too few free KV blocks right now.
+        """
+        return score_sequence(self, self._score_step, token_ids)
 
     # ---- compilation ----------------------------------------------------------------------
 
@@ -434,6 +475,13 @@ class Engine:
 
 def _kv_bytes_per_block(cfg, block_size: int) -> int:
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, float]:
+    """Top `n` log-probabilities at (row, slot), most likely first, then the emitted token's if not among them."""
+    entry = {int(t): float(v) for t, v in zip(sampled.top_ids[row, slot, :n], sampled.top_logprobs[row, slot, :n])}
+    entry.setdefault(int(sampled.tokens[row, slot]), float(sampled.logprobs[row, slot]))
+    return entry
 
 
 def _padding_batch(T: int, S: int, max_blocks: int, spec_k: int | None = None) -> PackedBatch:

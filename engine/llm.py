@@ -1,4 +1,4 @@
-"""Offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""Offline Python API: `LLM(...).generate(prompts, SamplingParams(...))` and `LLM(...).score(texts)`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.engine import Engine, EngineConfig, RequestOutput
 from engine.speculative import SpeculationConfig
+from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 
 # A prompt is text, token ids, or a chat conversation (list of {"role", "content"}).
@@ -40,14 +41,14 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 4, **engine_args):
-        from checkpoints.draft import DEFAULT_DRAFTS, load_draft
+        from checkpoints.draft import DEFAULT_DRAFTS, draft_names, load_draft
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
         if speculative not in ("auto", "draft", None):
             raise ValueError(f"speculative must be 'auto', 'draft' or None, got {speculative!r}")
         if speculative == "auto":
-            has_default = isinstance(model, str) and model in DEFAULT_DRAFTS
+            has_default = isinstance(model, str) and DEFAULT_DRAFTS.get(model) in draft_names()
             speculative = "draft" if draft_model is not None or has_default else None
         draft = None
         if speculative == "draft":
@@ -132,3 +133,24 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return results
+
+    def score(self, texts: Prompt | Sequence[Prompt]) -> list[ScoreOutput]:
+        """Per-token log-probabilities and log-likelihood of each text (or token-id list), in input order.
+
+        Texts are tokenized as prompts are (the model's BOS only if its
+        tokenizer adds one); the first token is not scored.
+        Raises:
+          InvalidRequestError: naming the first bad text (empty, over `max_model_len` tokens);
+            the texts before it were scored but are not returned.
+          scheduler.block_manager.NoFreeBlocksError: requests in flight hold too many KV blocks.
+        """
+        if isinstance(texts, (str, np.ndarray)) or (
+                isinstance(texts, (list, tuple)) and texts and isinstance(texts[0], (int, np.integer))):
+            texts = [texts]
+        outputs = []
+        for i, text in enumerate(texts):
+            try:
+                outputs.append(self.engine.score(self.encode(text)))
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"text {i}: {e}") from None
+        return outputs

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from engine.step import KVPool, StepBatch, paged_attend
+from engine.step import KVPool, StepBatch, paged_attend, token_logprobs
 from engine.verify import sample_draft, verify
 
 
@@ -61,15 +61,18 @@ def _single_token_batch(batch: StepBatch, tokens: jax.Array, positions: jax.Arra
         token_ids=tokens, positions=positions, slot_mapping=jnp.where(live, slots, 0),
         query_start_loc=jnp.arange(S + 1, dtype=jnp.int32), seq_lens=jnp.where(live, positions + 1, 1),
         block_tables=batch.block_tables, logits_indices=jnp.arange(S, dtype=jnp.int32),
-        temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p, min_p=batch.min_p, seeds=batch.seeds)
+        temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p, min_p=batch.min_p, seeds=batch.seeds,
+        want_logprobs=batch.want_logprobs)
 
 
 @functools.cache
 def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, attention: Callable, K: int):
     """Returns the jitted `step(target_state, draft_state, pool, draft_pool, batch, spec)`.
 
-    Returns `(tokens int32 [S, K+1], num_emitted int32 [S], pool, draft_pool)`;
-    row `s` emits `tokens[s, :num_emitted[s]]`. Both pools are donated. `K`
+    Returns `(sampled, num_emitted int32 [S], pool, draft_pool)`: `sampled`
+    is an `engine.step.Sampled` over the `S * (K+1)` verify slots (row-major;
+    log-probabilities only if some row wants them) and row `s` emits
+    `sampled.tokens[s * (K+1):][:num_emitted[s]]`. Both pools are donated. `K`
     (static) is the largest draft length in the step; `K = 0` only keeps the
     draft's KV in step with the target's and samples as `make_step` does.
     """
@@ -107,7 +110,9 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
         hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
         logits = target.logits(hidden[spec.verify_indices.reshape(-1)]).reshape(S, K + 1, V)
         out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
-        return out, num_emitted, pool, draft_pool
+        sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
+                                 jnp.repeat(batch.want_logprobs, K + 1))
+        return sampled, num_emitted, pool, draft_pool
 
     return step
 

@@ -44,6 +44,7 @@ class PackedBatch:
     top_p: np.ndarray  # float32 [S]
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
+    want_logprobs: np.ndarray  # bool [S]; the step computes log-probabilities only if any is set
     num_seqs: int  # real sequences (the rest is padding)
     spec: SpecArrays | None = None  # present when the step runs with a draft model
 
@@ -85,6 +86,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     top_p = np.ones(S, np.float32)
     min_p = np.zeros(S, np.float32)
     seed_arr = np.zeros(S, np.uint32)
+    want_logprobs = np.zeros(S, bool)
     K = spec_k or 0
     num_draft = np.zeros(S, np.int32)
     draft_token_index = np.full((S, K), T, np.int32)
@@ -117,6 +119,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         sp = r.sampling
         temperature[i], top_k[i], top_p[i], min_p[i] = sp.temperature, sp.top_k, sp.top_p, sp.min_p
         seed_arr[i] = seeds[r.request_id]
+        want_logprobs[i] = s.sample and sp.logprobs is not None
     query_start_loc[n_seqs + 1:] = t
     spec = None
     if spec_k is not None:
@@ -124,4 +127,4 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     elif any(s.num_draft for s in plan.seqs):
         raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, n_seqs, spec)
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs, spec)

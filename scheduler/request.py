@@ -7,6 +7,8 @@ import enum
 import itertools
 import math
 
+MAX_LOGPROBS = 20  # most top tokens a request may ask log-probabilities for (a static size on device)
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses; the message says which field and why."""
@@ -31,6 +33,10 @@ class SamplingParams:
     num_speculative_tokens: draft tokens per verify step for this request:
       None takes the engine's (adaptive) choice, 0 turns speculation off, k
       caps it at k. Output follows the same distribution either way.
+    logprobs: for every generated token, also return its log-probability and
+      those of the `logprobs` most likely tokens (0 to MAX_LOGPROBS); None
+      returns none. They come from the model's raw distribution, before
+      temperature and truncation (vLLM's convention).
     """
 
     temperature: float = 1.0
@@ -44,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     num_speculative_tokens: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         # A lone string is one stop string, not a sequence of characters.
@@ -74,6 +81,8 @@ class SamplingParams:
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
 
 def _is_int(x) -> bool:

@@ -203,3 +203,13 @@ def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
     mixed = _run(spec, [PROMPTS[4], PROMPTS[2], PROMPTS[1], PROMPTS[5]], [others[0], sp, others[1], others[2]])
     assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
+
+
+def test_logprobs_with_speculation_match_the_plain_engine(plain, spec):
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    want, got = _run(plain, PROMPTS[1:3], [sp] * 2), _run(spec, PROMPTS[1:3], [sp] * 2)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.num_accepted_tokens > 0
+        assert len(g.logprobs) == len(w.logprobs) == 10
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)

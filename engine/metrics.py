@@ -1,0 +1,105 @@
+"""Prometheus metrics of a serving engine, in a registry of their own.
+
+Updated on the engine thread after every step (`EngineWorker`); served over
+HTTP by `serve(port)`. Names follow Prometheus conventions: seconds, `_total`
+counters. Rates (tokens/s, requests/s) are best taken with `rate()` over the
+counters; `engine_generation_tokens_per_second` is a convenience over the last
+`TOKENS_PER_SECOND_WINDOW_S` seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import prometheus_client as prom
+
+from engine.compilation import compilation_count
+
+TOKENS_PER_SECOND_WINDOW_S = 10.0
+# Seconds; CPU steps take 10 ms to 1 s, GPU steps 5 to 50 ms.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5)
+
+
+class Metrics:
+    """The engine's metrics. A fresh registry per instance, so several servers can share a process (tests)."""
+
+    def __init__(self):
+        self.registry = r = prom.CollectorRegistry()
+        self.ttft = prom.Histogram("engine_time_to_first_token_seconds",
+                                   "Arrival of a request to its first generated token.", buckets=_TTFT_BUCKETS,
+                                   registry=r)
+        self.itl = prom.Histogram("engine_inter_token_latency_seconds",
+                                  "Time between consecutive generated tokens of a request.", buckets=_ITL_BUCKETS,
+                                  registry=r)
+        self.generated_tokens = prom.Counter("engine_generated_tokens", "Tokens generated.", registry=r)
+        self.prompt_tokens = prom.Counter("engine_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_prompt_tokens = prom.Counter(
+            "engine_cached_prompt_tokens", "Prompt tokens of finished requests whose KV came from the prefix cache.",
+            registry=r)
+        self.requests = prom.Gauge("engine_requests", "Requests in the engine by state.", ["state"], registry=r)
+        self.finished = prom.Counter("engine_requests_finished", "Requests ended, by finish reason "
+                                     "(stop, length, abort; error: the engine failed while running it).",
+                                     ["reason"], registry=r)
+        self.rejected = prom.Counter("engine_requests_rejected", "Generate requests refused as invalid.", registry=r)
+        self.kv_blocks_in_use = prom.Gauge("engine_kv_blocks_in_use", "KV blocks held by requests.", registry=r)
+        self.kv_blocks_total = prom.Gauge("engine_kv_blocks_total", "Usable KV blocks in the pool.", registry=r)
+        self.steps = prom.Counter("engine_steps", "Engine steps run.", registry=r)
+        prom.Gauge("engine_prefix_cache_hit_rate", "Cached / all prompt tokens of finished requests since start.",
+                   registry=r).set_function(self._hit_rate)
+        # Stays 0 until the engine has speculative decoding.
+        self.acceptance_rate = prom.Gauge("engine_spec_acceptance_rate",
+                                          "Accepted / proposed draft tokens since start.", registry=r)
+        prom.Gauge("engine_compilations", "XLA programs compiled by this process.",
+                   registry=r).set_function(compilation_count)
+        prom.Gauge("engine_generation_tokens_per_second",
+                   f"Tokens generated per second over the last {TOKENS_PER_SECOND_WINDOW_S:g} s.",
+                   registry=r).set_function(self._tokens_per_second)
+        self._lock = threading.Lock()  # the window is written on the engine thread, read by the HTTP thread
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._prompt = self._cached = 0
+
+    def record_step(self, engine, num_tokens: int) -> None:
+        """After a step that generated `num_tokens`: counters, the tokens/s window, engine state gauges."""
+        now = time.monotonic()
+        self.steps.inc()
+        self.generated_tokens.inc(num_tokens)
+        with self._lock:
+            self._window.append((now, num_tokens))
+            while self._window[0][0] < now - TOKENS_PER_SECOND_WINDOW_S:
+                self._window.popleft()
+        self.record_engine_state(engine)
+
+    def record_engine_state(self, engine) -> None:
+        sched, blocks = engine.scheduler, engine.blocks
+        self.requests.labels("waiting").set(len(sched.waiting))
+        self.requests.labels("running").set(len(sched.running))
+        self.kv_blocks_total.set(blocks.num_usable_blocks)
+        self.kv_blocks_in_use.set(blocks.num_usable_blocks - blocks.num_free_blocks)
+
+    def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        with self._lock:
+            self._prompt += prompt_tokens
+            self._cached += cached_prompt_tokens
+
+    def _hit_rate(self) -> float:
+        with self._lock:
+            return self._cached / self._prompt if self._prompt else 0.0
+
+    def _tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            return sum(n for t, n in self._window if t >= now - TOKENS_PER_SECOND_WINDOW_S) / TOKENS_PER_SECOND_WINDOW_S
+
+    def serve(self, port: int, host: str = "127.0.0.1"):
+        """Serves `/metrics` over HTTP on a daemon thread; port 0 picks a free one.
+
+        Returns the `http.server` server (its `server_port`; `shutdown()` stops it).
+        """
+        server, _ = prom.start_http_server(port, addr=host, registry=self.registry)
+        return server
