@@ -32,12 +32,16 @@ Prompt = str | Sequence[int] | Sequence[dict]
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
-def generate_request(prompt: Prompt, *, priority: int = 0, request_id: str = "", speculation: bool = False,
+def generate_request(prompt: Prompt, *, priority: int = 0, request_id: str = "", speculation: bool | None = None,
                      num_speculative_tokens: int = 0, **sampling) -> pb.GenerateRequest:
-    """Builds a GenerateRequest; raises TypeError for an unknown sampling keyword or prompt type."""
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), priority=priority, request_id=request_id,
-                                 speculation=pb.Speculation(enabled=speculation,
-                                                            num_speculative_tokens=num_speculative_tokens))
+    """Builds a GenerateRequest; raises TypeError for an unknown sampling keyword or prompt type.
+
+    `speculation`: None leaves it to the server; False turns it off; True asks
+    for it (at most `num_speculative_tokens` draft tokens per step, 0 = the server's K).
+    """
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), priority=priority, request_id=request_id)
+    if speculation is not None:
+        request.speculation.CopyFrom(pb.Speculation(enabled=speculation, num_speculative_tokens=num_speculative_tokens))
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):

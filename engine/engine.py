@@ -213,6 +213,8 @@ class Engine:
         self._children: dict[str, list[Request]] = {}  # n > 1 requests after their fork
         self._logprobs: dict[str, list[dict[int, float]]] = {}  # requests that asked for them
         self.num_steps = 0
+        self.num_draft_tokens = 0  # proposed and accepted draft tokens, all requests
+        self.num_accepted_tokens = 0
         # Cumulative wall time: host work (schedule, pack, block ops, outputs) and the device step.
         self.host_seconds = 0.0
         self.device_seconds = 0.0
@@ -323,6 +325,8 @@ class Engine:
             if s.num_draft:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
+                self.num_draft_tokens += s.num_draft
+                self.num_accepted_tokens += accepted[i]
                 self.speculation.update(r.request_id, r.request_class, s.num_draft, accepted[i], self.num_steps)
             n = r.sampling.logprobs
             emitted = tokens[i, :num_emitted[i]].tolist()

@@ -49,7 +49,7 @@ class Metrics:
         self.steps = prom.Counter("engine_steps", "Engine steps run.", registry=r)
         prom.Gauge("engine_prefix_cache_hit_rate", "Cached / all prompt tokens of finished requests since start.",
                    registry=r).set_function(self._hit_rate)
-        # Stays 0 until the engine has speculative decoding.
+        # 0 while nothing was proposed (no draft model, or speculation off).
         self.acceptance_rate = prom.Gauge("engine_spec_acceptance_rate",
                                           "Accepted / proposed draft tokens since start.", registry=r)
         prom.Gauge("engine_compilations", "XLA programs compiled by this process.",
@@ -78,6 +78,8 @@ class Metrics:
         self.requests.labels("running").set(len(sched.running))
         self.kv_blocks_total.set(blocks.num_usable_blocks)
         self.kv_blocks_in_use.set(blocks.num_usable_blocks - blocks.num_free_blocks)
+        if engine.num_draft_tokens:
+            self.acceptance_rate.set(engine.num_accepted_tokens / engine.num_draft_tokens)
 
     def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
         self.finished.labels(reason).inc()

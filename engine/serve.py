@@ -17,8 +17,10 @@ from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
-flags.DEFINE_string("draft", None, "Draft model for speculative decoding. Not available yet: the engine has "
-                    "no speculative decoding, so setting it is an error.")
+flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
+                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
+flags.DEFINE_string("draft", None, "Draft model (bundled name or path); default: the model's own draft.")
+flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::] for every interface).")
 flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one.")
 flags.DEFINE_integer("metrics_port", 9464, "Prometheus /metrics HTTP port on --host; 0 picks a free one, "
@@ -66,8 +68,6 @@ async def _serve(server) -> None:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.draft:
-        raise app.UsageError("--draft: speculative decoding is not available in this engine yet")
     if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
         raise app.UsageError("--tls_cert and --tls_key go together")
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
@@ -81,7 +81,9 @@ def main(argv):
             raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file} is empty")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
     try:
-        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, block_size=FLAGS.block_size,
+        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
+                  speculative=None if FLAGS.speculative == "off" else FLAGS.speculative, draft_model=FLAGS.draft,
+                  num_speculative_tokens=FLAGS.num_speculative_tokens, block_size=FLAGS.block_size,
                   num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes, max_num_seqs=FLAGS.max_num_seqs,
                   max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=FLAGS.max_model_len)
     except (ValueError, KeyError, FileNotFoundError) as e:

@@ -130,9 +130,9 @@ def response_from_output(out: RequestOutput, stream: Stream, num_logprobs: int |
         msg.logprobs.extend(_logprobs(out, num_logprobs))
     if out.finished:
         msg.finish_reason = _FINISH_REASONS[out.finish_reason]
-        # acceptance_rate stays unset: the engine has no speculative decoding yet.
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                    cached_prompt_tokens=cached_prompt_tokens(stream.request)))
+                                    cached_prompt_tokens=cached_prompt_tokens(stream.request),
+                                    acceptance_rate=out.acceptance_rate))
     return msg
 
 
@@ -155,13 +155,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.model_name = model_name
         self.metrics = metrics
 
+    def _speculation_kinds(self) -> list[str]:
+        return ["draft"] if self.llm.engine.speculation is not None else []
+
+    def _speculation(self, spec: pb.Speculation) -> int | None:
+        """The request's `num_speculative_tokens` (None: the engine's choice); raises _BadRequest."""
+        if not spec.enabled:
+            return 0
+        kinds = self._speculation_kinds()
+        if not kinds:
+            raise _BadRequest("speculation is not available for this model: the server has no draft model "
+                              "(ModelInfo.speculation_kinds is empty)")
+        if spec.kind and spec.kind not in kinds:
+            raise _BadRequest(f"speculation kind {spec.kind!r} is not available; this server has {kinds}")
+        if spec.num_speculative_tokens < 0:
+            raise _BadRequest(f"speculation.num_speculative_tokens must be >= 0, got {spec.num_speculative_tokens}")
+        return spec.num_speculative_tokens or None
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             _check_known_fields(request)
-            if request.speculation.enabled:
-                raise _BadRequest("speculation is not available for this model: the server has no draft model "
-                                  "(ModelInfo.speculation_kinds is empty)")
             sampling = sampling_from_proto(request.sampling)
+            if request.HasField("speculation"):
+                sampling = dataclasses.replace(sampling, num_speculative_tokens=self._speculation(request.speculation))
             prompt = _prompt(self.llm, request, "prompt")
         except (_BadRequest, InvalidRequestError) as e:
             if self.metrics:
@@ -234,7 +250,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model_name=self.model_name, max_model_len=engine.max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=engine.eos_token_ids, dtype=cfg.dtype,
             config_json=json.dumps(dataclasses.asdict(cfg), sort_keys=True),
-            speculation_kinds=[],  # no speculative decoding in the engine yet
+            speculation_kinds=self._speculation_kinds(),
             max_logprobs=MAX_LOGPROBS, has_chat_template=bool(self.llm.tokenizer.chat_template),
             block_size=engine.config.block_size, num_blocks=engine.blocks.num_blocks,
             max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens)

@@ -512,3 +512,25 @@ def test_generated_proto_code_is_up_to_date(tmp_path):
         with open(os.path.join(ROOT, "engine/protos", name)) as committed, \
                 open(tmp_path / "engine/protos" / name) as fresh:
             assert committed.read() == fresh.read(), f"{name} is stale: regenerate it (BUILD.md)"
+
+
+def test_speculative_server_reports_acceptance_and_matches_offline():
+    from checkpoints import load_model
+
+    tiny = load_model("tiny-llama")
+    llm = LLM(tiny, speculative="draft", draft_model=tiny, num_speculative_tokens=3, **LIMITS)
+    s = ServerThread(llm)
+    try:
+        with Client(s.target) as c:
+            assert list(c.model_info().speculation_kinds) == ["draft"]
+            prompt = list(range(40, 60))
+            kw = dict(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
+            got = c.generate(prompt, **kw)
+            off = c.generate(prompt, speculation=False, **kw)
+            capped = c.generate(prompt, speculation=True, num_speculative_tokens=2, **kw)
+            want = _offline(s, llm, [prompt], SamplingParams(**kw))[0]
+            assert got.token_ids == want.token_ids and got.usage.acceptance_rate == 1.0  # the draft is the target
+            assert not off.usage.HasField("acceptance_rate") and len(off.token_ids) == 12
+            assert capped.usage.acceptance_rate == 1.0 and len(capped.token_ids) == 12
+    finally:
+        s.stop()
