@@ -63,7 +63,7 @@ def test_prompt_over_the_context_limit_is_rejected(llm):
 
 def test_pallas_kernel_greedy_equals_reference(llm):
     """The Pallas kernel (interpret mode on CPU) and the jnp reference give the same greedy tokens."""
-    kernel = LLM(attention="pallas", max_num_seqs=4, max_num_batched_tokens=64)
+    kernel = LLM(attention="pallas", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64)
     prompts = _chat_prompts(3)  # longer than the 64-token budget: chunked prefill over the kernel too
     sp = SamplingParams(temperature=0, max_tokens=8)
     want = [o.token_ids for o in llm.generate(prompts, sp)]

@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from tests.test_real_model import _chat_prompts
 
 N = 32
+POOL = 600  # KV blocks (~440 MB): one pool shape, so these engines share compiled programs
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts(model):
-    llm = LLM(model, max_num_seqs=1)
+    llm = LLM(model, max_num_seqs=1, num_blocks=POOL)
     return [llm.encode(p) for p in _chat_prompts(N)]
 
 
@@ -33,7 +34,7 @@ def _params(i):
 @pytest.fixture(scope="module")
 def alone(model, prompts):
     """Each request alone, prefix cache off."""
-    llm = LLM(model, max_num_seqs=1, enable_prefix_caching=False)
+    llm = LLM(model, max_num_seqs=1, enable_prefix_caching=False, num_blocks=POOL)
     outs = [llm.generate([p], _params(i))[0] for i, p in enumerate(prompts)]
     assert all(o.num_cached_tokens == 0 for o in outs)
     return [o.token_ids for o in outs]
@@ -57,7 +58,7 @@ def _run(llm, prompts, first_wave):
 
 
 def test_batch_of_32_with_arrivals_and_prefix_hits_equals_alone(model, prompts, alone):
-    llm = LLM(model, max_num_seqs=N, max_num_batched_tokens=512)
+    llm = LLM(model, max_num_seqs=N, max_num_batched_tokens=512, num_blocks=POOL)
     outs = _run(llm, prompts, first_wave=12)
     assert [o.token_ids for o in outs] == alone
     # The chat template's system prompt is shared: later requests hit the prefix cache.
@@ -68,7 +69,7 @@ def test_batch_of_32_with_arrivals_and_prefix_hits_equals_alone(model, prompts, 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 512])
 def test_chunked_prefill_equals_alone(model, prompts, alone, chunk):
     k = 2 if chunk == 1 else 4
-    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=chunk)
+    llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=chunk, num_blocks=POOL)
     outs = _run(llm, prompts[:k], first_wave=k)
     assert [o.token_ids for o in outs] == alone[:k]
 
