@@ -48,10 +48,11 @@ def _chat_prompts(n):
         if os.path.exists(path):
             with open(path) as f:
                 return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in f][:n]
-    return [[{"role": "user", "content": q}] for q in (
-        "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-        "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
-        "How do airplanes fly?", "Give me a synonym for happy.")][:n]
+    base = ("What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
+            "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
+            "How do airplanes fly?", "Give me a synonym for happy.")
+    return [[{"role": "user", "content": base[i % len(base)] + (f" (question {i})" if i >= len(base) else "")}]
+            for i in range(n)]
 
 
 def test_prompt_over_the_context_limit_is_rejected(llm):

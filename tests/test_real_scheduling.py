@@ -76,8 +76,10 @@ def test_chunked_prefill_equals_alone(model, prompts, alone, chunk):
 
 @pytest.mark.parametrize("swap", [False, True])
 def test_preempted_requests_equal_alone(model, prompts, alone, swap):
-    # 16 usable blocks of 16 tokens hold ~3 of these sequences: the rest wait or get preempted.
-    llm = LLM(model, num_blocks=17, max_num_seqs=4, max_num_batched_tokens=64, kv_watermark=0.0,
+    # A pool that holds the longest of these sequences but not half of them: the rest wait or get preempted.
+    need = [-(-(len(p) + _params(i).max_tokens) // 16) for i, p in enumerate(prompts[:5])]
+    blocks = max(max(need), sum(need) // 2) + 1
+    llm = LLM(model, num_blocks=blocks + 1, max_num_seqs=4, max_num_batched_tokens=64, kv_watermark=0.0,
               swap_threshold_tokens=1, swap_space_bytes=(1 << 28) * swap)
     outs = _run(llm, prompts[:5], first_wave=5)
     sch = llm.engine.scheduler
