@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from engine.compilation import compilation_count, enable_persistent_cache
+from engine.compilation import compilation_count
 from engine.scoring import ScoreOutput, make_score_step, score_sequence
 from engine.speculative import AdaptiveSpeculation, SpecBatch, SpeculationConfig, make_spec_step
 from engine.step import KVPool, Sampled, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
@@ -158,7 +158,6 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None,
                  speculation: SpeculationConfig | None = None):
-        enable_persistent_cache()
         cfg = model.config
         self.model_config = cfg
         self.tokenizer = model.tokenizer
