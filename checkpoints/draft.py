@@ -1,14 +1,19 @@
 """Draft models for speculative decoding, stored next to the code in `checkpoints/drafts/`.
 
 A draft is a small Llama-family decoder that shares the target's tokenizer and
-vocabulary. To keep the stored file small while V is large, a draft may
-derive its (tied) embedding from the target's:
+vocabulary. To keep the stored file small while V is large, a draft derives
+its (tied) embedding from the target's: the same matrix when the widths match,
+else
 
     draft.embed [V, E] = target.embed [V, E_t] @ embed_projection [E_t, E]
 
+and its output head may cover only `head_vocab_size` tokens (`head_ids`, see
+`ModelConfig.head_vocab_size`): a draft's cost is mostly its head.
+
 Such a directory holds `config.json` (transformers' Llama keys plus a `draft`
-entry naming the target and its `E_t`) and `model.safetensors` with every
-weight but `model.embed_tokens.weight`, plus `embed_projection`. Loading it
+entry naming the target, its `E_t` and the head size) and `model.safetensors`
+with every weight but `model.embed_tokens.weight`, plus `embed_projection`
+when the widths differ and `head_ids` (int32) with a partial head. Loading it
 needs the target's params; the result is an ordinary `LoadedModel` (params
 in `model.llama.param_specs` layout) that runs through the same `Llama`
 module and paged step as the target. A plain Hugging Face directory with the
@@ -33,6 +38,7 @@ DEFAULT_DRAFT = "smollm2-135m-draft"
 # The draft each bundled target uses when none is named.
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 PROJECTION = "embed_projection"
+HEAD_IDS = "head_ids"
 
 
 def draft_names() -> list[str]:
@@ -47,14 +53,15 @@ def derived_embed(target_embed: np.ndarray, projection: np.ndarray) -> np.ndarra
     return np.asarray(target_embed, np.float32) @ np.asarray(projection, np.float32)
 
 
-def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.ndarray, path: str | os.PathLike,
-               target_name: str, storage_dtype: str = "bfloat16", extra: dict | None = None) -> None:
-    """Writes a projected-embedding draft (see the module docstring).
+def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.ndarray | None,
+               path: str | os.PathLike, target_name: str, storage_dtype: str = "bfloat16",
+               extra: dict | None = None) -> None:
+    """Writes a draft whose embedding derives from the target's (see the module docstring).
 
     Args:
       cfg: the draft's config (tied embeddings).
       params: `param_specs(cfg)` arrays; `embed` is not stored.
-      projection: float32 `[E_t, E]`.
+      projection: float32 `[E_t, E]`, or None when the draft has the target's width.
       target_name: the target it was distilled from (recorded in config.json).
       storage_dtype: dtype of the stored tensors ("bfloat16" halves the file).
       extra: more entries for config.json's `draft` record (e.g. training command).
@@ -65,14 +72,21 @@ def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.n
         raise ValueError("a projected-embedding draft needs tie_word_embeddings=True")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    stored = cfg.replace(dtype=storage_dtype)
+    stored = cfg.replace(dtype=storage_dtype, head_vocab_size=0)
+    params = dict(params)
+    head_ids = params.pop(HEAD_IDS, None)
     tensors = scatter(stored, _NAMES, cast(params, storage_dtype))
     del tensors[_NAMES["embed"][0]]
-    tensors[PROJECTION] = cast({"p": projection}, storage_dtype)["p"]
+    if projection is not None:
+        tensors[PROJECTION] = cast({"p": projection}, storage_dtype)["p"]
+    if head_ids is not None:
+        tensors[HEAD_IDS] = np.asarray(head_ids, np.int32)
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     hf = hf_config_dict(stored)
-    hf["draft"] = {"target": target_name, "target_hidden_size": int(projection.shape[0]),
-                   "embed": f"target.embed @ {PROJECTION}", **(extra or {})}
+    hf["draft"] = {"target": target_name,
+                   "target_hidden_size": int(cfg.hidden_size if projection is None else projection.shape[0]),
+                   "embed": "target.embed" if projection is None else f"target.embed @ {PROJECTION}",
+                   "head_vocab_size": int(cfg.head_vocab_size), **(extra or {})}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
 
@@ -103,8 +117,16 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
         if e_t != tcfg.hidden_size:
             raise ValueError(f"draft {path} projects a hidden size {e_t} embedding; the target has {tcfg.hidden_size}")
         tensors = _open_safetensors(os.path.join(path, "model.safetensors"))
-        embed = derived_embed(target.params["embed"], tensors[PROJECTION])
+        if PROJECTION in tensors:
+            embed = derived_embed(target.params["embed"], tensors[PROJECTION])
+        elif cfg.hidden_size == e_t:
+            embed = target.params["embed"]
+        else:
+            raise ValueError(f"draft {path} has hidden size {cfg.hidden_size} and no {PROJECTION}")
         params = gather(cfg, _NAMES, lambda n: embed if n == _NAMES["embed"][0] else tensors[n])
+        if hf["draft"].get("head_vocab_size"):
+            cfg = cfg.replace(head_vocab_size=hf["draft"]["head_vocab_size"])
+            params[HEAD_IDS] = np.asarray(tensors[HEAD_IDS], np.int32)
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft {path} has vocab_size {cfg.vocab_size}; the target has {tcfg.vocab_size}")
     cfg = cfg.replace(eos_token_ids=tcfg.eos_token_ids, bos_token_id=tcfg.bos_token_id)

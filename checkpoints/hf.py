@@ -38,7 +38,7 @@ _NAMES: NameMap = {
 }
 
 # The numpy API of safetensors has no bfloat16, so tensors are memory-mapped by hand.
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I32": np.int32}
 
 
 def _open_safetensors(path: str) -> dict[str, np.ndarray]:

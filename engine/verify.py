@@ -120,7 +120,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
     `q_{num_draft}`. Greedy rows (temperature 0) accept while the draft token
     equals the target's argmax and then emit the argmax. The result follows
     the target's sampling distribution exactly, for any `p` (Leviathan et al.
-    2023, Theorem 1 / Appendix A.1).
+    2023, Appendix A.1; Chen et al. 2023, Theorem 1).
 
     Args:
       target_logits: float32 `[S, K+1, V]`; row `s`, slot `i` are the target's

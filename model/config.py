@@ -44,6 +44,9 @@ class ModelConfig:
     dtype: str = "float32"  # weights and activations: "float32" or "bfloat16"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # > 0: logits only for this many vocabulary entries (the `head_ids` param), the rest get
+    # probability 0 — a draft's cheap output head (the head is most of a small draft's cost).
+    head_vocab_size: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -1,0 +1,82 @@
+"""Draft models: the stored format (projected or shared embedding, partial output head) and the
+offline acceptance simulation used to evaluate drafts."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpoints import load_model
+from checkpoints.draft import load_draft, save_draft
+from checkpoints.resolve import random_params
+from engine.distill import simulate_greedy
+from model.config import ModelConfig
+from model.llama import LAYER_PARAMS, Llama
+
+TINY_DRAFT = ModelConfig(name="tiny-draft", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
+                         num_heads=2, num_kv_heads=1, head_dim=16, tie_word_embeddings=True, eos_token_ids=(2,))
+
+
+def _bf16(x):
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_projected_draft_round_trip(tmp_path):
+    target = load_model("tiny-llama")
+    params = random_params(TINY_DRAFT, seed=3)
+    projection = np.random.default_rng(0).normal(0, 0.1, (target.config.hidden_size, 32)).astype(np.float32)
+    save_draft(TINY_DRAFT, params, projection, tmp_path, target_name="tiny-llama")
+    draft = load_draft(str(tmp_path), target)
+    assert draft.config.hidden_size == 32 and draft.config.vocab_size == 256
+    assert draft.tokenizer is target.tokenizer
+    assert draft.config.eos_token_ids == target.config.eos_token_ids
+    for name, value in params.items():
+        if name != "embed":
+            np.testing.assert_array_equal(draft.params[name], _bf16(value))
+    np.testing.assert_allclose(draft.params["embed"], target.params["embed"] @ _bf16(projection), rtol=1e-5,
+                               atol=1e-6)
+    logits = Llama(draft.config, params=draft.params).dense_logits(jnp.asarray([[1, 5, 9]]))
+    assert logits.shape == (1, 3, 256)
+
+
+def test_same_width_draft_with_partial_head(tmp_path):
+    """Target layers 0 and 1 as a draft: the target's own embedding, logits only for 40 token ids."""
+    target = load_model("tiny-llama")
+    cfg = target.config.replace(name="layers-0-1", num_layers=2, head_vocab_size=40, tie_word_embeddings=True)
+    params = {k: (v[:2] if k in LAYER_PARAMS else v) for k, v in target.params.items() if k != "lm_head"}
+    head_ids = np.random.default_rng(1).choice(target.config.vocab_size, 40, replace=False)
+    save_draft(cfg, {**params, "head_ids": head_ids}, None, tmp_path, target_name="tiny-llama")
+    draft = load_draft(str(tmp_path), target)
+    assert draft.config.head_vocab_size == 40 and draft.config.num_layers == 2
+    np.testing.assert_array_equal(draft.params["embed"], target.params["embed"])
+    np.testing.assert_array_equal(draft.params["head_ids"], head_ids)
+    tokens = jnp.asarray([[1, 5, 9, 17]])
+    got = np.asarray(Llama(draft.config, params=draft.params).dense_logits(tokens))
+    whole_head = {k: v for k, v in draft.params.items() if k != "head_ids"}
+    full = np.asarray(Llama(cfg.replace(head_vocab_size=0), params=whole_head).dense_logits(tokens))
+    np.testing.assert_allclose(got[..., head_ids], full[..., head_ids], rtol=1e-5, atol=1e-5)
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), head_ids)
+    assert np.all(got[..., outside] == -1e30)
+    assert np.all(np.asarray(jax.nn.softmax(got, -1))[..., outside] == 0)
+
+
+def test_draft_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no draft"):
+        load_draft(str(tmp_path / "missing"), load_model("tiny-llama"))
+    save_draft(TINY_DRAFT, random_params(TINY_DRAFT), np.zeros((64, 32), np.float32), tmp_path, "tiny-llama")
+    with pytest.raises(ValueError, match="hidden size 64"):
+        load_draft(str(tmp_path), load_model("tiny-qwen2"))  # E_t = 48
+    cfg = TINY_DRAFT.replace(head_vocab_size=4)
+    with pytest.raises(ValueError, match="head_ids: need 4 distinct token ids below 256"):
+        Llama(cfg, params={**random_params(TINY_DRAFT), "head_ids": np.array([1, 1, 2, 3])})
+
+
+def test_simulated_speculation_counts():
+    assert simulate_greedy([True] * 10, 4) == (8, 8, 2)  # 5 tokens per step: 4 drafts + 1 bonus
+    # Nothing matches: one target step per token; the last step has no room for drafts.
+    assert simulate_greedy([False] * 10, 4) == (0, 4 * 6 + 3 + 2 + 1, 10)
+    # Round 1 accepts 2 then the target corrects; round 2 accepts all 3 proposed (one left to emit).
+    assert simulate_greedy([True, True, False, True, True, True, True], 3) == (5, 6, 2)
+
+
