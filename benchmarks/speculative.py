@@ -18,8 +18,8 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
 * adaptive: the default engine (K = 4, speculation switched off per request
   class below acceptance 0.5) against no speculation, per domain at batch 1.
 
-The draft is never trained on these prompts' evaluation split (see
-checkpoints/drafts/README.md); prompts here are the first ones of each file.
+Prompts are the first ones of each file's held-out split, which distillation
+never trains on (`engine/distill.py`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,22 @@ flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../share
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
 flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
-flags.DEFINE_integer("skip", 0, "Skip this many prompts at the start of each file.")
+flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
+flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 
 DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
 
 def _prompts(tok, domain, n):
+    """The first n prompts of the domain's held-out split (never trained on: engine/distill.py)."""
+    from engine.distill import EVAL_PERCENT, _hash
+
     with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
-        texts = [json.loads(line)["prompt"] for line in f][FLAGS.skip:FLAGS.skip + n]
+        rows = [json.loads(line) for line in f if line.strip()]
+    held = [r["prompt"] for r in rows if _hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)]
+    texts = held[FLAGS.skip:FLAGS.skip + n]
+    if len(texts) < n:
+        raise ValueError(f"{domain}: {len(held)} held-out prompts, {FLAGS.skip + n} needed")
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
             for t in texts]
 
@@ -86,7 +94,7 @@ def main(argv):
     from engine import LLM
 
     target = load_model()
-    draft = load_draft(DEFAULT_DRAFT, target)
+    draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
     print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, greedy, "
