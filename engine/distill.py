@@ -42,7 +42,7 @@ flags.DEFINE_string("out", os.path.join(_ROOT, "checkpoints", "drafts", "smollm2
 flags.DEFINE_integer("max_new_tokens", 160, "Continuation length for training data.")
 flags.DEFINE_integer("eval_new_tokens", 128, "Greedy continuation length for the eval split.")
 flags.DEFINE_integer("max_prompt_tokens", 640, "Longer prompts are skipped.")
-flags.DEFINE_integer("max_num_seqs", 64, "Engine batch size for data generation.")
+flags.DEFINE_integer("generate_batch", 64, "Engine max_num_seqs for data generation.")
 flags.DEFINE_integer("max_train_requests", 600, "Train requests (shortest prompts first); bounds the CPU time.")
 flags.DEFINE_integer("chunk", 384, "Requests per generate call (the file is appended after each).")
 flags.DEFINE_integer("top_k_targets", 32, "Target log-probabilities kept per position.")
@@ -123,7 +123,7 @@ def stage_generate(workdir: str) -> None:
     if os.path.exists(path):
         with open(path) as f:
             done = {json.loads(line)["key"] for line in f}
-    llm = LLM(max_num_seqs=FLAGS.max_num_seqs, kv_cache_bytes=3 << 30)
+    llm = LLM(max_num_seqs=FLAGS.generate_batch, kv_cache_bytes=3 << 30)
     jobs = [{**job, "prompt_ids": llm.encode([{"role": "user", "content": job["prompt"]}])}
             for job in generate_jobs(split_prompts(FLAGS.prompts_dir))]
     jobs = select_jobs(jobs, FLAGS.max_prompt_tokens, FLAGS.max_train_requests)
