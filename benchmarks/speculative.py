@@ -15,8 +15,10 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
 * predicted speed-up (1 + K alpha) / (1 + K c) (the approximation in the issue;
   Leviathan et al. 2023 §3.4 give the exact expected tokens
   (1 - alpha^(K+1)) / (1 - alpha)), next to the measured tok/s ratio.
-* adaptive: the default engine (K = 4, speculation switched off per request
-  class below acceptance 0.5) against no speculation, per domain at batch 1.
+* adaptive: the default engine (K = 4, halved per request class while the
+  running acceptance rate is below 0.5, retried every 200 steps) against no
+  speculation, per domain: a stream of `--adaptive_requests` requests of that
+  class served one at a time (batch 1), wall time of the whole stream.
 
 Prompts are the first ones of each file's held-out split, which distillation
 never trains on (`engine/distill.py`).
@@ -41,6 +43,7 @@ flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together."
 flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
+flags.DEFINE_integer("adaptive_requests", 8, "Requests per domain in the adaptive-speculation stream.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 
 DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
@@ -87,6 +90,34 @@ def _decode(llm, prompts):
         [outs[i].token_ids for i in ids]
 
 
+def _stream(llm, prompts, request_class):
+    """Serves the prompts one after another as one class.
+
+    Returns (tok/s, requests that speculated, draft tokens proposed / accepted).
+
+    The first prompt runs once untimed under another class, so compilation is not timed and the
+    class starts fresh.
+    """
+    from engine import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
+
+    def serve(prompt, cls):
+        r = engine.add_request(prompt, sp, request_class=cls)
+        while engine.has_unfinished():
+            engine.step()
+        return r
+
+    serve(prompts[0], "warm-up")
+    t = time.perf_counter()
+    served = [serve(p, request_class) for p in prompts]
+    elapsed = time.perf_counter() - t
+    drafted = sum(r.num_draft_tokens for r in served)
+    return (sum(len(r.output_token_ids) for r in served) / elapsed, sum(r.num_draft_tokens > 0 for r in served),
+            f"{drafted} / {sum(r.num_accepted_tokens for r in served)}")
+
+
 def main(argv):
     del argv
     from checkpoints import load_model
@@ -108,6 +139,7 @@ def main(argv):
     for k, llm in spec_llms.items():
         llm.engine.speculation.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
     adaptive = {}
+    default = LLM(target, speculative="draft", draft_model=draft, max_num_seqs=16, max_num_batched_tokens=512)
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = _prompts(target.tokenizer, domain, b)
@@ -118,17 +150,15 @@ def main(argv):
                 c = (ms - plain_ms) / (k * plain_ms)
                 print(f"| {domain} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
                       f"| {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |")
-        prompts = _prompts(target.tokenizer, domain, 1)
-        default = LLM(target, speculative="draft", draft_model=draft, max_num_seqs=16, max_num_batched_tokens=512)
-        default.engine.speculation.config.retry_after_steps = 10**6
-        plain_tps = _decode(plain_llm, prompts)[0]
-        adaptive[domain] = (_decode(default, prompts)[0], plain_tps)
-    print("\n## Adaptive speculation (default settings), batch 1\n")
-    print("| domain | tok/s adaptive | tok/s no speculation | ratio |")
-    print("|---|---:|---:|---:|")
-    for domain, (a, p) in adaptive.items():
-        print(f"| {domain} | {a:.1f} | {p:.1f} | {a / p:.2f}x |")
-
+        prompts = _prompts(target.tokenizer, domain, FLAGS.adaptive_requests)
+        adaptive[domain] = tuple(_stream(llm, prompts, domain) for llm in (default, plain_llm))
+    print(f"\n## Adaptive speculation (default settings), {FLAGS.adaptive_requests} requests per domain, "
+          "one at a time\n")
+    print("| domain | tok/s adaptive | tok/s no speculation | ratio | requests that speculated "
+          "| draft tokens proposed / accepted |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for domain, ((a, n, drafts), (p, _, _)) in adaptive.items():
+        print(f"| {domain} | {a:.1f} | {p:.1f} | {a / p:.2f}x | {n} of {FLAGS.adaptive_requests} | {drafts} |")
 
 if __name__ == "__main__":
     app.run(main)

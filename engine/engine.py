@@ -295,8 +295,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.speculation is not None:
             for r in self.scheduler.running:
-                r.spec_k = self.speculation.k_for(r.request_id, r.request_class, r.sampling.num_speculative_tokens,
-                                                  self.num_steps, seeded=r.sampling.seed is not None)
+                r.spec_k = self._spec_k(r)
         plan = self.scheduler.schedule()
         self._apply_block_ops(plan)
         for parent, children in plan.forks:
@@ -304,9 +303,7 @@ class Engine:
         if not plan.seqs:
             self.host_seconds += time.perf_counter() - t0
             return []
-        K = None
-        if self.speculation is not None:  # two programs per bucket: no drafts, or the configured K
-            K = self.speculation.config.num_speculative_tokens if any(s.num_draft for s in plan.seqs) else 0
+        K = self._step_k(plan)
         packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
                       self.seq_buckets, self._seeds, K)
         t1 = time.perf_counter()
@@ -334,6 +331,30 @@ class Engine:
         self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
         self.device_seconds += t2 - t1
         return outputs
+
+    def _spec_k(self, r: Request) -> int:
+        """The draft length a request wants now; 0 once its draft KV fell behind."""
+        if not r.draft_synced:
+            return 0
+        return self.speculation.k_for(r.request_id, r.request_class, r.sampling.num_speculative_tokens,
+                                      self.num_steps, seeded=r.sampling.seed is not None)
+
+    def _step_k(self, plan: StepPlan) -> int | None:
+        """The step's program: None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
+
+        When no request in the step will speculate, the draft is skipped: speculation that was
+        switched off then costs nothing, and those requests' draft KV falls behind for good.
+        """
+        if self.speculation is None:
+            return None
+        drafted = max(s.num_draft for s in plan.seqs)
+        if drafted:
+            return min(k for k in self.speculation.config.ladder if k >= drafted)
+        if any(self._spec_k(s.request) for s in plan.seqs):
+            return 0
+        for s in plan.seqs:
+            s.request.draft_synced = False
+        return None
 
     def _run(self, packed: PackedBatch, K: int | None) -> tuple[np.ndarray, np.ndarray, Sampled | None]:
         """Runs the step program and makes the step's one device-to-host read.
@@ -454,7 +475,7 @@ class Engine:
 
     def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
         """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count."""
-        spec_ks = [None] if self.speculation is None else [0, self.speculation.config.num_speculative_tokens]
+        spec_ks = [None] if self.speculation is None else [None, 0, *self.speculation.config.ladder]
         for T, S in buckets or self.buckets:
             for K in spec_ks:
                 self._run(_padding_batch(T, S, self.max_blocks_per_seq, K), K)

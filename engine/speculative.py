@@ -26,7 +26,6 @@ are ordinary sampling steps.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -122,19 +121,20 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
 
 @dataclasses.dataclass
 class SpeculationConfig:
-    """Adaptive speculation: K per request class from running acceptance rates.
+    """Adaptive speculation: K per request class and per request from running acceptance rates.
 
-    num_speculative_tokens: K when speculation pays.
-    min_acceptance: below this running acceptance rate (of a request or of its
-      class) K is halved, down to 0 (off).
+    num_speculative_tokens: K when speculation pays (the top of the ladder
+      K, K/2, ..., 1 of compiled draft lengths).
+    min_acceptance: when a running acceptance rate (of a request or of its
+      class) is below this, K is halved, down to 0 (off).
     ema_decay: weight of the past in the running averages, per verify step.
     retry_after_steps: a class switched off gets K again after this many engine
-      steps (its acceptance is re-measured).
+      steps (its acceptance is re-measured on the requests that arrive then).
     """
 
     num_speculative_tokens: int = 4
     min_acceptance: float = 0.5
-    ema_decay: float = 0.9
+    ema_decay: float = 0.5
     retry_after_steps: int = 200
 
     def __post_init__(self):
@@ -143,48 +143,81 @@ class SpeculationConfig:
         if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
             raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
 
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """The draft lengths a step program is compiled for: K, K/2, ..., 1 (ascending)."""
+        ks, k = [], self.num_speculative_tokens
+        while k:
+            ks.append(k)
+            k //= 2
+        return tuple(reversed(ks))
+
+
+@dataclasses.dataclass
+class _Rate:
+    """A running acceptance rate and the K it currently allows."""
+
+    k: int
+    rate: float = 1.0  # optimistic start: speculation is tried first
+    off_since: int | None = None
+
 
 class AdaptiveSpeculation:
-    """Tracks acceptance rates (running averages per request and per class) and picks each request's K."""
+    """Per-class and per-request acceptance rates (running averages) and each request's K.
+
+    The rate of a verify step is accepted / tried draft tokens, where tried
+    stops at the first rejection (min(num_draft, accepted + 1)): an estimate
+    of the per-token acceptance probability alpha of Leviathan et al. 2023
+    (§3.1) that does not depend on K, so one threshold serves every K.
+    Whenever a rate is below `min_acceptance` its K halves (no optimistic
+    reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
+    steps). A class at 0 retries after `retry_after_steps`; a request at 0
+    stays off (its draft KV is no longer kept up to date).
+
+    An unseeded request drafts min(class K, own K). A seeded request drafts
+    its own K only, so its output depends on its own history alone.
+    """
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
-        self.class_rate: dict[str, float] = collections.defaultdict(lambda: 1.0)
-        self.class_k: dict[str, int] = collections.defaultdict(lambda: config.num_speculative_tokens)
-        self._off_since: dict[str, int] = {}
-        self.request_rate: dict[str, float] = {}
+        self.classes: dict[str, _Rate] = {}
+        self.requests: dict[str, _Rate] = {}
+
+    def _class(self, name: str) -> _Rate:
+        return self.classes.setdefault(name, _Rate(self.config.num_speculative_tokens))
+
+    def class_k(self, request_class: str) -> int:
+        return self._class(request_class).k
+
+    def request_rate(self, request_id: str) -> float | None:
+        r = self.requests.get(request_id)
+        return None if r is None else r.rate
 
     def k_for(self, request_id: str, request_class: str, requested: int | None, step: int,
               seeded: bool = False) -> int:
-        """K for a request's next verify step; `requested` is the request's own cap (None: engine default).
-
-        Which positions are drafted changes which random draws a sampled token
-        uses (not its distribution), so a `seeded` request's K depends only on
-        its own history: its output then never depends on other requests.
-        """
+        """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
         c = self.config
-        k = c.num_speculative_tokens if seeded else self.class_k[request_class]
-        if k == 0 and step - self._off_since.get(request_class, step) >= c.retry_after_steps:
-            k = self.class_k[request_class] = c.num_speculative_tokens  # retry
-            self.class_rate[request_class] = 1.0
-            self._off_since.pop(request_class)
-        if self.request_rate.get(request_id, 1.0) < c.min_acceptance:
-            k = min(k, 1)
+        own = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens))
+        k = own.k
+        if not seeded:
+            cls = self._class(request_class)
+            if cls.k == 0 and step - cls.off_since >= c.retry_after_steps:
+                self.classes[request_class] = cls = _Rate(c.num_speculative_tokens)  # retry
+            k = min(k, cls.k)
         return min(k, c.num_speculative_tokens if requested is None else requested)
 
     def update(self, request_id: str, request_class: str, num_draft: int, num_accepted: int, step: int) -> None:
-        """Records one verify step's outcome and lowers the class's K while its rate is below the threshold."""
+        """Records one verify step's outcome; halves K where a running rate fell below the threshold."""
         if num_draft == 0:
             return
-        c = self.config
-        rate = num_accepted / num_draft
-        self.request_rate[request_id] = c.ema_decay * self.request_rate.get(request_id, 1.0) + (1 - c.ema_decay) * rate
-        self.class_rate[request_class] = c.ema_decay * self.class_rate[request_class] + (1 - c.ema_decay) * rate
-        if self.class_rate[request_class] < c.min_acceptance and self.class_k[request_class] > 0:
-            self.class_k[request_class] //= 2
-            self.class_rate[request_class] = 1.0  # measure the new K afresh
-            if self.class_k[request_class] == 0:
-                self._off_since[request_class] = step
+        tried = min(num_draft, num_accepted + 1)
+        for r in (self.requests.setdefault(request_id, _Rate(self.config.num_speculative_tokens)),
+                  self._class(request_class)):
+            r.rate = self.config.ema_decay * r.rate + (1 - self.config.ema_decay) * num_accepted / tried
+            if r.rate < self.config.min_acceptance and r.k > 0:
+                r.k //= 2
+                if r.k == 0:
+                    r.off_since = step
 
     def forget(self, request_id: str) -> None:
-        self.request_rate.pop(request_id, None)
+        self.requests.pop(request_id, None)

@@ -172,29 +172,51 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
         assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
 
 
-def test_adaptive_speculation_turns_off_for_a_class_and_retries():
+def test_adaptive_speculation_halves_k_per_class_and_retries():
     ctl = AdaptiveSpeculation(SpeculationConfig(4, min_acceptance=0.5, ema_decay=0.5, retry_after_steps=10))
-    assert ctl.k_for("a", "code", None, step=0) == 4
+    assert ctl.config.ladder == (1, 2, 4) and SpeculationConfig(3).ladder == (1, 3)
     ks = []
-    for step in range(1, 8):
-        ctl.update("a", "code", ctl.k_for("a", "code", None, step) or 1, 0, step)
-        ks.append(ctl.class_k["code"])
-    assert ks[-1] == 0 and sorted(ks, reverse=True) == ks  # 4 -> 2 -> 1 -> 0
-    assert ctl.k_for("b", "chat", None, step=8) == 4  # other classes keep speculating
-    assert ctl.k_for("c", "code", None, step=9) == 0
-    off_at = max(s for s, k in enumerate(ks, 1) if k)  # noqa: F841
-    assert ctl.k_for("c", "code", None, step=7 + 10 + 1) == 4  # retried after retry_after_steps
-    assert ctl.k_for("c", "code", 2, step=30) == 2  # a request's own cap
+    for step in range(1, 5):  # nothing accepted: rate 0.5, 0.25, 0.125, 0.0625
+        ctl.update(f"a{step}", "code", ctl.k_for(f"a{step}", "code", None, step), 0, step)
+        ks.append(ctl.class_k("code"))
+    assert ks == [4, 2, 1, 0]
+    assert ctl.k_for("b", "chat", None, step=5) == 4  # other classes keep speculating
+    assert ctl.k_for("c", "code", None, step=13) == 0
+    assert ctl.k_for("c", "code", None, step=14) == 4  # retried retry_after_steps after switching off
+    assert ctl.k_for("d", "code", 2, step=15) == 2  # a request's own cap
+    # The rate counts tried tokens (up to the first rejection): 2 accepted of 4 -> 2/3.
+    ctl.update("e", "chat", 4, 2, step=16)
+    assert ctl.request_rate("e") == pytest.approx(0.5 + 0.5 * 2 / 3)
 
 
-def test_bad_draft_is_switched_off_by_acceptance(target, plain):
+def test_seeded_requests_adapt_on_their_own_history_only():
+    ctl = AdaptiveSpeculation(SpeculationConfig(4, min_acceptance=0.5, ema_decay=0.5))
+    for step in range(4):
+        ctl.update(f"u{step}", "chat", 4, 0, step)
+    assert ctl.class_k("chat") == 0
+    assert ctl.k_for("s", "chat", None, step=5, seeded=True) == 4  # the class being off does not matter
+    for step in range(6, 10):
+        ctl.update("s", "chat", ctl.k_for("s", "chat", None, step, seeded=True), 0, step)
+    assert ctl.k_for("s", "chat", None, step=10**6, seeded=True) == 0  # off for the rest of the request
+
+
+def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     unrelated = _model(seed=7, scale=4.0)
-    engine = Engine(target, CFG, draft=unrelated, speculation=SpeculationConfig(3, retry_after_steps=10**6))
+    engine = Engine(target, CFG, draft=unrelated, speculation=SpeculationConfig(4, retry_after_steps=10**6))
+    ks = []
+    run = engine._run
+    engine._run = lambda packed, K: ks.append(K) or run(packed, K)
     greedy = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
     outs = _run(engine, PROMPTS[:3], greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
-    assert engine.speculation.class_k["default"] == 0
-    assert all(o.num_draft_tokens < 3 * 29 / 2 for o in outs)  # stopped proposing early
+    assert engine.speculation.class_k("default") == 0
+    assert all(o.num_draft_tokens < 4 * 4 for o in outs)  # off after a few verify steps
+    assert {4, 1} <= set(ks) <= {None, 0, 1, 2, 4}  # the ladder's programs ran as K halved
+    # Once off, steps run the target alone (the draft is skipped) and the requests stay off.
+    assert ks[-10:] == [None] * 10 and ks.count(None) > len(ks) // 2
+    ks.clear()
+    later = _run(engine, PROMPTS[3:4], greedy[:1])[0]
+    assert later.num_draft_tokens == 0 and set(ks) == {None}
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_and_batch_independent(spec):
