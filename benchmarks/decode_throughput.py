@@ -129,6 +129,26 @@ def copy_bandwidth(mib: int, repeats: int) -> dict:
     return result
 
 
+def gemv_read_bandwidth(mib: int, repeats: int) -> float:
+    """Bytes read / s of a jitted fp32 matrix-vector product over a `mib` MiB matrix (XLA:CPU), best of repeats.
+
+    What a batch-1 decode step does with each weight matrix, at a size no cache holds.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((mib * (1 << 20) // (4 * 4096), 4096), jnp.float32)
+    v = jnp.ones((4096,), jnp.float32)
+    gemv = jax.jit(lambda a, v: a @ v)
+    gemv(a, v).block_until_ready()
+    times = []
+    for _ in range(max(5, repeats)):
+        t = time.perf_counter()
+        gemv(a, v).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return a.nbytes / min(times)
+
+
 class CpuMonitor:
     """CPU used by other processes since construction, in CPUs (from /proc/stat minus this process)."""
 
@@ -415,6 +435,7 @@ def main(argv):
             pure[b] = pure_step_ms(engine, prompt_ids[:b], R)
     log("measuring copy bandwidth again ...")
     bw_end = copy_bandwidth(FLAGS.copy_mb, R)
+    read_bw = gemv_read_bandwidth(FLAGS.copy_mb, R)
     background = monitor.other_cpus()
     # Bandwidth is shared with whatever else runs on the host; the best measured is the machine's capability.
     bw = {k: max(bw_start[k], bw_end[k]) for k in bw_start}
@@ -476,6 +497,11 @@ def main(argv):
     print(f"  roofline tok/s (batch 1) = BW / weight bytes/token = {bw_best / 1e9:.1f} GB/s / "
           f"{weight_bytes / 1e6:.1f} MB = {roofline_tps:.1f} tok/s "
           f"(= {1e3 / roofline_tps:.1f} ms/step; batch b reads the weights once per step: b x that)")
+    read_tps = read_bw / weight_bytes
+    print(f"  for reference, not the target: read bandwidth of a jitted fp32 matrix-vector product over a "
+          f"{FLAGS.copy_mb} MiB matrix (XLA:CPU, what decode does with each weight) {read_bw / 1e9:.1f} GB/s -> "
+          f"{read_tps:.1f} tok/s; engine batch 1 at "
+          + (f"{100 * eng[1]['tps'] / read_tps:.0f}% of it" if 1 in eng else "n/a"))
     print()
     print("Details:")
     for b in batch_sizes:

@@ -48,6 +48,24 @@ def draft_names() -> list[str]:
     return sorted(n for n in os.listdir(DRAFTS_DIR) if os.path.isfile(os.path.join(DRAFTS_DIR, n, "config.json")))
 
 
+def early_exit_draft(target: LoadedModel, layers: list[int], name: str = "early-exit") -> LoadedModel:
+    """A draft made of copies of some of the target's layers, its final norm and its output head.
+
+    The self-speculative draft of LayerSkip (Elhoushi et al. 2024, §4) and
+    Draft & Verify (Zhang et al. 2024): without training it already agrees with
+    the target on easy tokens; `engine.distill` fine-tunes it. Costs no
+    storage beyond the target's. Raises ValueError for layer indices outside
+    the target or a repeated one.
+    """
+    from model.llama import LAYER_PARAMS
+
+    n = target.config.num_layers
+    if not layers or len(set(layers)) != len(layers) or not all(0 <= i < n for i in layers):
+        raise ValueError(f"layers must be distinct indices in [0, {n}), got {layers}")
+    params = {k: (np.asarray(v)[list(layers)] if k in LAYER_PARAMS else v) for k, v in target.params.items()}
+    return LoadedModel(target.config.replace(name=name, num_layers=len(layers)), params, target.tokenizer)
+
+
 def derived_embed(target_embed: np.ndarray, projection: np.ndarray) -> np.ndarray:
     """float32 `[V, E]` = target embedding `[V, E_t]` @ projection `[E_t, E]`."""
     return np.asarray(target_embed, np.float32) @ np.asarray(projection, np.float32)

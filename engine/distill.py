@@ -257,20 +257,18 @@ def stage_targets(workdir: str) -> None:
 
 
 def init_from_target(target, layers: list[int], head_vocab: int, token_counts):
-    """The draft's start: target layers `layers` (copies), the target's embedding and final norm,
-    and an output head over `head_vocab` tokens (0: all) ranked by `token_counts` (int `[V]`), ties by id.
+    """The draft's start: `checkpoints.draft.early_exit_draft` of `layers`, with an output head
+    over `head_vocab` tokens (0: all) ranked by `token_counts` (int `[V]`), ties by id.
 
-    Early-exit drafts of this kind: Elhoushi et al. 2024 (LayerSkip), Zhang et al. 2024
-    (Draft & Verify); distillation then fits the early layers to the target's output.
+    Distillation then fits the early layers to the target's output.
     Returns (ModelConfig, params in `param_specs` layout).
     """
     import numpy as np
 
-    from model.llama import LAYER_PARAMS
+    from checkpoints.draft import early_exit_draft
 
-    cfg = target.config.replace(name=os.path.basename(os.path.normpath(FLAGS.out)), num_layers=len(layers),
-                                head_vocab_size=head_vocab)
-    params = {k: (np.asarray(v)[layers] if k in LAYER_PARAMS else np.asarray(v)) for k, v in target.params.items()}
+    draft = early_exit_draft(target, layers, name=os.path.basename(os.path.normpath(FLAGS.out)))
+    cfg, params = draft.config.replace(head_vocab_size=head_vocab), dict(draft.params)
     if head_vocab:
         order = np.lexsort((np.arange(len(token_counts)), -token_counts))  # most frequent first, then by id
         params["head_ids"] = np.sort(order[:head_vocab]).astype(np.int32)

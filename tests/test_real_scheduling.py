@@ -3,7 +3,7 @@
 Each request's tokens are compared with the same request run alone (prefix
 cache off): in a batch of 32 with arrivals and departures, with chunked
 prefill at chunk sizes 1, 7, 16 and 512, with prefix-cache hits, and after
-preemption by recompute or by swap.
+preemption by recompute or by swap, and with speculative decoding.
 """
 
 import pytest
@@ -91,3 +91,28 @@ def test_preempted_requests_equal_alone(model, prompts, swap):
     sch = llm.engine.scheduler
     assert (sch.num_swapped > 0, sch.num_recomputed > 0) == (swap, not swap)
     assert [o.token_ids for o in outs] == alone
+
+
+@pytest.fixture(scope="module")
+def early_exit(model):
+    from checkpoints.draft import early_exit_draft
+
+    return early_exit_draft(model, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("batch", [8, 1])
+def test_speculative_greedy_equals_alone(model, prompts, alone, early_exit, batch):
+    # Exactness on the real model: an untrained early-exit draft (the target's first 4 layers) agrees
+    # on some tokens and not others, so verify both accepts and rejects. Chunked prefill (32-token
+    # budget) and prefix caching on; adaptation off so every decode step speculates.
+    n = 24 if batch > 1 else 20
+    llm = LLM(model, speculative="draft", draft_model=early_exit, num_speculative_tokens=3, max_num_seqs=batch,
+              max_num_batched_tokens=32, num_blocks=POOL)
+    llm.engine.speculation.config.min_acceptance = 0.0
+    outs = _run(llm, prompts[:n], first_wave=batch)
+    assert [o.token_ids for o in outs] == alone[:n]
+    assert sum(o.num_cached_tokens > 0 for o in outs) >= n - batch - 2  # the shared system prompt hit the cache
+    rates = [o.acceptance_rate for o in outs if o.num_draft_tokens]
+    assert len(rates) >= n - 2 and 0 < sum(o.num_accepted_tokens for o in outs) < sum(
+        o.num_draft_tokens for o in outs)
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_usable_blocks
