@@ -10,15 +10,19 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
 
 * alpha: accepted / proposed draft tokens over the whole run.
 * tokens/step: emitted tokens per target step in the timed steps.
-* c: the draft's cost per proposed token relative to a plain target step,
+* c: the extra cost per proposed token (the draft passes and the wider verify
+  window together) relative to a plain target step,
   c = (t_spec_step - t_plain_step) / (K * t_plain_step), from the timed steps.
+* verify window cost: the target step over T = 1, 2, 4, 8, 16 tokens of one
+  sequence, in ms and relative to T = 1 (what a verify of K+1 tokens costs).
 * predicted speed-up (1 + K alpha) / (1 + K c) (the approximation in the issue;
   Leviathan et al. 2023 §3.4 give the exact expected tokens
   (1 - alpha^(K+1)) / (1 - alpha)), next to the measured tok/s ratio.
 * adaptive: the default engine (K = 4, halved per request class while the
   running acceptance rate is below 0.5, retried every 200 steps) against no
   speculation, per domain: a stream of `--adaptive_requests` requests of that
-  class served one at a time (batch 1), wall time of the whole stream.
+  class served one at a time (batch 1), wall time of the whole stream (the two
+  engines take turns request by request).
 
 Prompts are the first ones of each file's held-out split, which distillation
 never trains on (`engine/distill.py`).
@@ -90,30 +94,58 @@ def _decode(llm, prompts):
         [outs[i].token_ids for i in ids]
 
 
-def _stream(llm, prompts, request_class):
-    """Serves the prompts one after another as one class.
+def _streams(llms, prompts, request_class):
+    """Serves the prompts one after another as one class on each engine, alternating engines per request.
 
-    Every program the stream can use is compiled first (prefill buckets of these prompts and the
-    decode buckets, for each draft length of the ladder), so no compilation is timed.
-    Returns (tok/s, requests that speculated, draft tokens proposed / accepted).
+    Alternating spreads the shared machine's load changes over both. Every program a stream can
+    use is compiled first (prefill buckets of these prompts and the decode buckets, for each draft
+    length of the ladder), so no compilation is timed. Returns, per engine, (tok/s, requests that
+    speculated, "draft tokens proposed / accepted").
     """
     from engine import SamplingParams
     from scheduler.packing import bucket_for
 
-    engine = llm.engine
-    engine.precompile(sorted({(bucket_for(len(p), engine.token_buckets), 1) for p in prompts}
-                             | {(t, 1) for t in (1, 2, 4, 8)}))
+    for llm in llms:
+        engine = llm.engine
+        budget = engine.config.max_num_batched_tokens  # a longer prompt is prefilled in chunks of this size
+        chunks = {n for p in prompts for n in (min(len(p), budget), len(p) % budget) if n}
+        engine.precompile(sorted({(bucket_for(n, engine.token_buckets), 1) for n in chunks}
+                                 | {(t, 1) for t in (1, 2, 4, 8)}))
     sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
-    t = time.perf_counter()
-    served = []
+    served, elapsed = [[] for _ in llms], [0.0] * len(llms)
     for p in prompts:
-        served.append(engine.add_request(p, sp, request_class=request_class))
-        while engine.has_unfinished():
-            engine.step()
-    elapsed = time.perf_counter() - t
-    drafted = sum(r.num_draft_tokens for r in served)
-    return (sum(len(r.output_token_ids) for r in served) / elapsed, sum(r.num_draft_tokens > 0 for r in served),
-            f"{drafted} / {sum(r.num_accepted_tokens for r in served)}")
+        for i, llm in enumerate(llms):
+            t = time.perf_counter()
+            served[i].append(llm.engine.add_request(p, sp, request_class=request_class))
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            elapsed[i] += time.perf_counter() - t
+    out = []
+    for reqs, dt in zip(served, elapsed):
+        drafted = sum(r.num_draft_tokens for r in reqs)
+        out.append((sum(len(r.output_token_ids) for r in reqs) / dt, sum(r.num_draft_tokens > 0 for r in reqs),
+                    f"{drafted} / {sum(r.num_accepted_tokens for r in reqs)}"))
+    return out
+
+
+def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
+    """Median ms of the target's jitted step over T tokens of one sequence (T = a verify window of K+1)."""
+    import statistics
+
+    import jax
+
+    from engine.engine import _padding_batch
+
+    engine, out = llm.engine, {}
+    for T in sizes:
+        packed = _padding_batch(T, 1, engine.max_blocks_per_seq)
+        times = []
+        for i in range(repeats + 3):  # 3 untimed: compilation and warm-up
+            t = time.perf_counter()
+            jax.block_until_ready(engine._run(packed, None))
+            times.append(time.perf_counter() - t)
+        out[T] = 1e3 * statistics.median(times[3:])
+    return out
 
 
 def main(argv):
@@ -128,10 +160,17 @@ def main(argv):
     ks = [int(k) for k in FLAGS.ks]
     print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, greedy, "
           f"{FLAGS.max_tokens} tokens/request)\n")
+    plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
+    costs = _window_costs(plain_llm)
+    print("Target step time by tokens in the step (one sequence; a verify window is K+1 tokens, padded to a "
+          "power of two):\n")
+    print("| tokens | " + " | ".join(str(t) for t in costs) + " |")
+    print("|---|" + "---:|" * len(costs))
+    print("| ms | " + " | ".join(f"{ms:.1f}" for ms in costs.values()) + " |")
+    print("| x 1-token step | " + " | ".join(f"{ms / costs[1]:.2f}" for ms in costs.values()) + " |\n")
     print("| domain | batch | K | alpha | tokens/step | c | ms/step (spec / plain) | tok/s (spec / plain) "
           "| speed-up measured | (1+K alpha)/(1+K c) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
     spec_llms = {k: LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=k,
                         max_num_seqs=16, max_num_batched_tokens=512) for k in ks}
     for k, llm in spec_llms.items():
@@ -153,7 +192,7 @@ def main(argv):
                 print(f"| {domain} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
                       f"| {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |")
         prompts = _prompts(target.tokenizer, domain, FLAGS.adaptive_requests)
-        adaptive[domain] = tuple(_stream(llm, prompts, domain) for llm in (default, stream_plain))
+        adaptive[domain] = _streams((default, stream_plain), prompts, domain)
     print(f"\n## Adaptive speculation (default settings), {FLAGS.adaptive_requests} requests per domain, "
           "one at a time\n")
     print("| domain | tok/s adaptive | tok/s no speculation | ratio | requests that speculated "
