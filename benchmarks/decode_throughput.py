@@ -202,9 +202,11 @@ def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int, on_prefill
 
 
 def engine_ttft(engine, ids: list[int]) -> float:
+    """Seconds from submitting the prompt to its first token, never from the prefix cache (a fresh salt)."""
     from engine import SamplingParams
     t = time.perf_counter()
-    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                       cache_salt=f"ttft-{time.perf_counter_ns()}")
     while not engine.step():
         pass
     dt = time.perf_counter() - t

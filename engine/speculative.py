@@ -159,7 +159,15 @@ class _Rate:
 
     k: int
     rate: float = 1.0  # optimistic start: speculation is tried first
-    off_since: int | None = None
+    off_since: int = 0  # engine step at which k reached 0
+    good: int = 0  # verify steps at this K with the rate at or above the threshold
+    failed_retries: int = 0  # retries in a row that ended off again
+
+
+# A class's K climbs one ladder step after this many verify steps in a row at or above the threshold.
+GROW_AFTER = 4
+# The wait before a retry doubles with each failed retry, up to this factor.
+MAX_BACKOFF = 64
 
 
 class AdaptiveSpeculation:
@@ -171,8 +179,12 @@ class AdaptiveSpeculation:
     (§3.1) that does not depend on K, so one threshold serves every K.
     Whenever a rate is below `min_acceptance` its K halves (no optimistic
     reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
-    steps). A class at 0 retries after `retry_after_steps`; a request at 0
-    stays off (its draft KV is no longer kept up to date).
+    steps); after `GROW_AFTER` verify steps in a row at or above it, a
+    class's K climbs the ladder again, up to `num_speculative_tokens`. A class at 0
+    retries at K = 1 (the cheapest verify) after `retry_after_steps`, twice
+    as long after each retry that ends off again (exponential backoff, as
+    in TCP's retransmission timer). A request at 0 stays off (its draft KV
+    is no longer kept up to date).
 
     An unseeded request drafts min(class K, own K). A seeded request drafts
     its own K only, so its output depends on its own history alone.
@@ -201,23 +213,34 @@ class AdaptiveSpeculation:
         k = own.k
         if not seeded:
             cls = self._class(request_class)
-            if cls.k == 0 and step - cls.off_since >= c.retry_after_steps:
-                self.classes[request_class] = cls = _Rate(c.num_speculative_tokens)  # retry
+            wait = c.retry_after_steps * min(2 ** cls.failed_retries, MAX_BACKOFF)
+            if cls.k == 0 and c.num_speculative_tokens and step - cls.off_since >= wait:
+                cls.k, cls.rate, cls.good = 1, 1.0, 0  # retry
+                cls.failed_retries += 1  # until it grows back to the top
             k = min(k, cls.k)
         return min(k, c.num_speculative_tokens if requested is None else requested)
 
     def update(self, request_id: str, request_class: str, num_draft: int, num_accepted: int, step: int) -> None:
-        """Records one verify step's outcome; halves K where a running rate fell below the threshold."""
+        """Records one verify step's outcome: halves K where a running rate fell below the threshold
+        and raises the class's K after a run of good steps."""
         if num_draft == 0:
             return
+        c = self.config
         tried = min(num_draft, num_accepted + 1)
-        for r in (self.requests.setdefault(request_id, _Rate(self.config.num_speculative_tokens)),
-                  self._class(request_class)):
-            r.rate = self.config.ema_decay * r.rate + (1 - self.config.ema_decay) * num_accepted / tried
-            if r.rate < self.config.min_acceptance and r.k > 0:
-                r.k //= 2
-                if r.k == 0:
+        own, cls = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens)), self._class(request_class)
+        for r in (own, cls):
+            r.rate = c.ema_decay * r.rate + (1 - c.ema_decay) * num_accepted / tried
+            if r.rate < c.min_acceptance:
+                r.good = 0
+                if r.k > 0:
+                    r.k //= 2
                     r.off_since = step
+            else:
+                r.good += 1
+        if cls.good >= GROW_AFTER and 0 < cls.k < c.num_speculative_tokens:
+            cls.k, cls.good = min(k for k in c.ladder if k > cls.k), 0
+            if cls.k == c.num_speculative_tokens:
+                cls.failed_retries = 0
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

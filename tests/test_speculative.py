@@ -172,7 +172,7 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
         assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
 
 
-def test_adaptive_speculation_halves_k_per_class_and_retries():
+def test_adaptive_speculation_halves_k_per_class_and_retries_with_backoff():
     ctl = AdaptiveSpeculation(SpeculationConfig(4, min_acceptance=0.5, ema_decay=0.5, retry_after_steps=10))
     assert ctl.config.ladder == (1, 2, 4) and SpeculationConfig(3).ladder == (1, 3)
     ks = []
@@ -182,11 +182,20 @@ def test_adaptive_speculation_halves_k_per_class_and_retries():
     assert ks == [4, 2, 1, 0]
     assert ctl.k_for("b", "chat", None, step=5) == 4  # other classes keep speculating
     assert ctl.k_for("c", "code", None, step=13) == 0
-    assert ctl.k_for("c", "code", None, step=14) == 4  # retried retry_after_steps after switching off
-    assert ctl.k_for("d", "code", 2, step=15) == 2  # a request's own cap
+    assert ctl.k_for("c", "code", None, step=14) == 1  # retried at K = 1, retry_after_steps after switching off
+    assert ctl.k_for("d", "code", 2, step=15) == 1  # a request's own cap does not raise it
+    ctl.update("c", "code", 1, 0, step=15)
+    ctl.update("c", "code", 1, 0, step=16)  # the retry fails: off again, and the next wait doubles
+    assert ctl.class_k("code") == 0
+    assert ctl.k_for("e", "code", None, step=16 + 19) == 0 and ctl.k_for("e", "code", None, step=16 + 20) == 1
+    ks = []
+    for step in range(37, 45):  # all accepted: K climbs the ladder every 4 verify steps
+        ctl.update("e", "code", ctl.k_for("e", "code", None, step), 1, step)
+        ks.append(ctl.class_k("code"))
+    assert ks == [1, 1, 1, 2, 2, 2, 2, 4]
     # The rate counts tried tokens (up to the first rejection): 2 accepted of 4 -> 2/3.
-    ctl.update("e", "chat", 4, 2, step=16)
-    assert ctl.request_rate("e") == pytest.approx(0.5 + 0.5 * 2 / 3)
+    ctl.update("f", "chat", 4, 2, step=50)
+    assert ctl.request_rate("f") == pytest.approx(0.5 + 0.5 * 2 / 3)
 
 
 def test_seeded_requests_adapt_on_their_own_history_only():
