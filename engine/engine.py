@@ -343,7 +343,9 @@ class Engine:
         """The step's program: None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
 
         When no request in the step will speculate, the draft is skipped: speculation that was
-        switched off then costs nothing, and those requests' draft KV falls behind for good.
+        switched off then costs nothing, and those requests' draft KV falls behind for good. Their
+        blocks hold no draft KV either, so a later request that reuses them through the prefix
+        cache drafts from an incomplete context: fewer tokens accepted, the output unchanged.
         """
         if self.speculation is None:
             return None

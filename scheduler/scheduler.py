@@ -188,7 +188,8 @@ class Scheduler:
                     request_id=f"{parent.request_id}/{i}", priority=parent.priority, arrival=parent.arrival,
                     num_computed_tokens=parent.num_computed_tokens, status=RequestStatus.RUNNING,
                     allocation=self.blocks.fork(parent.allocation), cache_salt=parent.cache_salt,
-                    num_cached_tokens=parent.num_cached_tokens, parent=parent, index=i)
+                    num_cached_tokens=parent.num_cached_tokens, parent=parent, index=i,
+                    request_class=parent.request_class, draft_synced=parent.draft_synced)
             for i in range(parent.sampling.n)]
         self.blocks.free(parent.allocation)
         self.running.remove(parent)

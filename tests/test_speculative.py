@@ -244,3 +244,11 @@ def test_logprobs_with_speculation_match_the_plain_engine(plain, spec):
         assert len(g.logprobs) == len(w.logprobs) == 10
         for a, b in zip(g.logprobs, w.logprobs):
             assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
+def test_samples_of_an_n_request_keep_its_class(spec):
+    sp = SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=8, ignore_eos=True)
+    spec.add_request(PROMPTS[1], sp, request_class="n-class")
+    while spec.has_unfinished():
+        spec.step()
+    assert spec.speculation.classes["n-class"].good > 0  # the samples' verify steps were counted for the class
