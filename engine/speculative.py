@@ -128,8 +128,9 @@ class SpeculationConfig:
     min_acceptance: when a running acceptance rate (of a request or of its
       class) is below this, K is halved, down to 0 (off).
     ema_decay: weight of the past in the running averages, per verify step.
-    retry_after_steps: a class switched off gets K again after this many engine
-      steps (its acceptance is re-measured on the requests that arrive then).
+    retry_after_steps: a class switched off is retried at K = 1 after this many
+      engine steps (twice as long after each failed retry), on the requests
+      that arrive then.
     """
 
     num_speculative_tokens: int = 4
@@ -159,7 +160,7 @@ class _Rate:
 
     k: int
     rate: float = 1.0  # optimistic start: speculation is tried first
-    off_since: int = 0  # engine step at which k reached 0
+    off_since: int = 0  # engine step of the last halving (read once k is 0)
     good: int = 0  # verify steps at this K with the rate at or above the threshold
     failed_retries: int = 0  # retries in a row that ended off again
 
