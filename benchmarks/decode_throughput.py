@@ -215,43 +215,23 @@ def engine_ttft(engine, ids: list[int]) -> float:
 
 
 def engine_step_breakdown(engine, prompt_ids: list[list[int]], n_tokens: int) -> dict:
-    """Per-decode-step milliseconds of the pieces of Engine.step, by wrapping them (no code edits).
+    """Per-decode-step milliseconds of the phases of Engine.step, from the engine's own `StepTiming`s.
 
-    The wrapped jitted step blocks until its result is ready, so "device" is the
-    XLA computation (plus dispatch), and everything else is host work.
+    "jit step (device)" runs from dispatching the step program to its outputs
+    on the host; everything else is host work.
     """
-    import jax
-    import engine.engine as engine_mod
-
-    acc = {"schedule": 0.0, "pack": 0.0, "to_device": 0.0, "jit step (device)": 0.0, "append+detok": 0.0}
-    orig = (engine.scheduler.schedule, engine_mod.pack, engine_mod.StepBatch, engine._step, engine._append)
-
-    def timed(key, fn, block=False):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            if block:
-                out = jax.block_until_ready(out)
-            acc[key] += time.perf_counter() - t
-            return out
-        return wrapper
-
-    class StepBatchShim:
-        from_packed = staticmethod(timed("to_device", lambda p: jax.block_until_ready(orig[2].from_packed(p))))
-
-    engine.scheduler.schedule = timed("schedule", orig[0])
-    engine_mod.pack = timed("pack", orig[1])
-    engine_mod.StepBatch = StepBatchShim
-    engine._step = timed("jit step (device)", orig[3], block=True)
-    engine._append = timed("append+detok", orig[4])
+    rows = {"schedule": ("schedule", "block_ops"), "pack": ("pack",), "to_device": ("to_device",),
+            "jit step (device)": ("device",), "append+detok": ("update",)}
+    acc = dict.fromkeys(rows, 0.0)
+    timings = []
+    engine.on_step = timings.append
     try:
-        total, steps, _, _ = engine_decode(engine, prompt_ids, n_tokens,
-                                           on_prefilled=lambda: acc.update(dict.fromkeys(acc, 0.0)))
+        total, steps, _, _ = engine_decode(engine, prompt_ids, n_tokens, on_prefilled=timings.clear)
     finally:
-        engine.scheduler.schedule = orig[0]
-        engine_mod.pack, engine_mod.StepBatch = orig[1], orig[2]
-        engine._step = orig[3]
-        del engine.__dict__["_append"]  # back to the class method
+        engine.on_step = None
+    for t in timings:
+        for row, phases in rows.items():
+            acc[row] += sum(getattr(t, p) for p in phases)
     out = {k: 1e3 * v / steps for k, v in acc.items()}
     out["other"] = 1e3 * total / steps - sum(out.values())
     out["total"] = 1e3 * total / steps
@@ -262,7 +242,7 @@ def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
     """Median ms of the jitted step alone on a fixed decode batch (inputs already on device)."""
     import jax
     from engine import SamplingParams
-    from engine.engine import StepBatch, pack
+    from engine.step import StepBatch
     # max_tokens leaves room: no request may finish while a longer prompt is still prefilling.
     sp = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
     reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
@@ -270,14 +250,13 @@ def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
         engine.step()
     plan = engine.scheduler.schedule()  # the decode step, planned but never committed
     assert len(plan.seqs) == len(reqs) and plan.num_tokens == len(reqs), "not a pure decode step"
-    packed = pack(plan, engine.config.block_size, engine.max_blocks_per_seq, engine.token_buckets,
-                  engine.seq_buckets, engine._seeds)
+    runner = engine.runner
+    packed = runner.pack(plan, {r.request_id: 0 for r in reqs})  # greedy: seeds do not matter
     batch = jax.block_until_ready(StepBatch.from_packed(packed))
     times = []
     for _ in range(max(10, 3 * repeats)):
         t = time.perf_counter()
-        tokens, engine.pool = engine._step(engine.state, engine.pool, batch)
-        jax.block_until_ready(tokens)
+        jax.block_until_ready(runner.execute(batch, None, None))
         times.append(time.perf_counter() - t)
     for r in reqs:
         engine.abort(r.request_id)
@@ -363,8 +342,8 @@ def main(argv):
     long_ids = llm.tokenizer.encode(long_text)[:FLAGS.prefill_len]
     if len(long_ids) < FLAGS.prefill_len:
         long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.state))
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(engine.state))
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(engine.runner.state))
 
     monitor = CpuMonitor()
 

@@ -32,7 +32,7 @@ What is measured:
   only the work done, so its gRPC / offline ratio is the steadier measure of
   the serving overhead (clients' work included).
 
-Without `--target` the server (`engine.server.GenerationServer`, what
+Without `--target` the server (`engine.serving.server.GenerationServer`, what
 `python -m engine.serve` runs) serves one engine in this process, on its own
 event-loop and engine threads, and the offline runs use that same engine
 (on its thread, while no gRPC request is in flight): the same compiled
@@ -67,13 +67,12 @@ import grpc
 import numpy as np
 from absl import app, flags, logging
 
-from engine.client import AsyncClient
+from engine.flags import FLAGS, llm_from_flags  # --model and the engine limits, for the server and offline
+from engine.serving.client import AsyncClient
 
-FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_clients", 64, "Concurrent streaming clients.")
 flags.DEFINE_float("duration_s", 60.0, "Seconds during which clients send new requests.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request (exactly: ignore_eos).")
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Model for the server and the offline run.")
 flags.DEFINE_string("target", None, "host:port of a running server (same --model and engine limits); "
                     "default: serve one in this process.")
 flags.DEFINE_string("metrics_url", None, "With --target: the server's /metrics URL, for its compilation count.")
@@ -82,8 +81,6 @@ flags.DEFINE_integer("max_prompt_chars", 0, "Drop prompts longer than this (0: k
 flags.DEFINE_bool("precompile", False, "Compile every step bucket before timing.")
 flags.DEFINE_bool("skip_offline", False, "Skip the offline LLM.generate comparison.")
 flags.DEFINE_integer("repeats", 1, "gRPC runs, each followed by its offline run.")
-flags.DEFINE_integer("max_num_seqs", 64, "Engine limit (server and offline).")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "Engine token budget (server and offline).")
 
 FALLBACK_PROMPTS = [
     "Explain why the sky is blue in a few sentences.",
@@ -207,13 +204,14 @@ class LocalServer:
     """A GenerationServer over `llm` on its own event-loop thread in this process."""
 
     def __init__(self, llm):
-        from engine.server import GenerationServer
+        from engine.serving.server import GenerationServer
+        from engine.serving.worker import EngineWorker
 
         self.llm = llm
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = GenerationServer(llm, model_name=FLAGS.model)
+        self.server = GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model)
         self.target = f"127.0.0.1:{self._run(self.server.start())}"
 
     def _run(self, coro):
@@ -244,7 +242,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
-    from engine import LLM
     from engine.compilation import compilation_count
 
     load_before = os.getloadavg()[0]
@@ -252,7 +249,7 @@ def main(argv):
     kwargs = {"num_clients": FLAGS.num_clients, "max_tokens": FLAGS.max_tokens}
     llm = local = None
     if not (FLAGS.target and FLAGS.skip_offline):
-        llm = LLM(FLAGS.model, max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens)
+        llm = llm_from_flags()
         if FLAGS.precompile:
             llm.engine.precompile()
     if FLAGS.target:

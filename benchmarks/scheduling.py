@@ -137,7 +137,7 @@ def ttft(model, rng):
     for cached in (False, True):
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=1024, enable_prefix_caching=cached)
         engine = llm.engine
-        engine.precompile([(t, 1) for t in engine.token_buckets])
+        engine.precompile([(t, 1) for t in engine.runner.token_buckets])
         times, hits = [], []
         for i, q in enumerate(questions):
             t = time.perf_counter()
@@ -171,11 +171,11 @@ def host(model, rng):
             r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.running):
         engine.step()  # prefill (and compile)
     engine.step()  # compile the decode bucket
-    host0, dev0, steps = engine.host_seconds, engine.device_seconds, 0
+    host0, dev0, steps = engine.stats.host_seconds, engine.stats.device_seconds, 0
     while len(engine.scheduler.running) == n and steps < 16:
         engine.step()
         steps += 1
-    h, d = (engine.host_seconds - host0) / steps, (engine.device_seconds - dev0) / steps
+    h, d = (engine.stats.host_seconds - host0) / steps, (engine.stats.device_seconds - dev0) / steps
     while engine.has_unfinished():
         engine.step()
     print(f"\n## Host overhead at {n} running requests ({steps} decode steps)\n")

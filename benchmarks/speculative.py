@@ -25,7 +25,7 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
   engines take turns request by request).
 
 Prompts are the first ones of each file's held-out split, which distillation
-never trains on (`engine/distill.py`).
+never trains on (`training/data.py`).
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
 
 def _prompts(tok, domain, n):
-    """The first n prompts of the domain's held-out split (never trained on: engine/distill.py)."""
-    from engine.distill import EVAL_PERCENT, _hash
+    """The first n prompts of the domain's held-out split (never trained on: training/data.py)."""
+    from training.data import EVAL_PERCENT, prompt_hash
 
     with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    held = [r["prompt"] for r in rows if _hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)]
+    held = [r["prompt"] for r in rows if prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)]
     texts = held[FLAGS.skip:FLAGS.skip + n]
     if len(texts) < n:
         raise ValueError(f"{domain}: {len(held)} held-out prompts, {FLAGS.skip + n} needed")
@@ -109,7 +109,7 @@ def _streams(llms, prompts, request_class):
         engine = llm.engine
         budget = engine.config.max_num_batched_tokens  # a longer prompt is prefilled in chunks of this size
         chunks = {n for p in prompts for n in (min(len(p), budget), len(p) % budget) if n}
-        engine.precompile(sorted({(bucket_for(n, engine.token_buckets), 1) for n in chunks}
+        engine.precompile(sorted({(bucket_for(n, engine.runner.token_buckets), 1) for n in chunks}
                                  | {(t, 1) for t in (1, 2, 4, 8)}))
     sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
     served, elapsed = [[] for _ in llms], [0.0] * len(llms)
@@ -132,17 +132,13 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
     """Median ms of the target's jitted step over T tokens of one sequence (T = a verify window of K+1)."""
     import statistics
 
-    import jax
-
-    from engine.engine import _padding_batch
-
-    engine, out = llm.engine, {}
+    runner, out = llm.engine.runner, {}
     for T in sizes:
-        packed = _padding_batch(T, 1, engine.max_blocks_per_seq)
+        packed = runner.padding_batch(T, 1)
         times = []
         for i in range(repeats + 3):  # 3 untimed: compilation and warm-up
             t = time.perf_counter()
-            jax.block_until_ready(engine._run(packed, None))
+            runner.run(packed, None)  # ends with the read back
             times.append(time.perf_counter() - t)
         out[T] = 1e3 * statistics.median(times[3:])
     return out
@@ -174,7 +170,7 @@ def main(argv):
     spec_llms = {k: LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=k,
                         max_num_seqs=16, max_num_batched_tokens=512) for k in ks}
     for k, llm in spec_llms.items():
-        llm.engine.speculation.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
+        llm.engine.drafter.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
     adaptive = {}
     # The stream's engines: default speculation settings; prefix caching off so that the prefill shapes
     # compiled beforehand are the ones used.

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     if _FORMAT.value == "orbax":
         save_orbax(_DST.value, model.config, model.params, tokenizer=model.tokenizer)
     else:
-        save_hf_dir(model.config, model.params, _DST.value, tokenizer=model.tokenizer)
+        save_hf_dir(_DST.value, model.config, model.params, tokenizer=model.tokenizer)
     logging.info("wrote %s (%s, %s, %.1fM params) to %s", model.config.name, _FORMAT.value,
                  model.config.dtype, model.config.num_params / 1e6, _DST.value)
 

@@ -29,7 +29,7 @@ import numpy as np
 import safetensors.numpy
 
 from checkpoints._layout import cast, gather, scatter
-from checkpoints.hf import _NAMES, _open_safetensors, hf_config_dict, load_hf_dir
+from checkpoints.hf import HF_NAMES, hf_config_dict, load_hf_dir, open_safetensors
 from checkpoints.resolve import DEFAULT_MODEL, LoadedModel
 from model.config import ModelConfig
 
@@ -53,7 +53,7 @@ def early_exit_draft(target: LoadedModel, layers: list[int], name: str = "early-
 
     The self-speculative draft of LayerSkip (Elhoushi et al. 2024, §4) and
     Draft & Verify (Zhang et al. 2024): without training it already agrees with
-    the target on easy tokens; `engine.distill` fine-tunes it. Costs no
+    the target on easy tokens; `training.distill` fine-tunes it. Costs no
     storage beyond the target's. Raises ValueError for layer indices outside
     the target or a repeated one.
     """
@@ -71,12 +71,13 @@ def derived_embed(target_embed: np.ndarray, projection: np.ndarray) -> np.ndarra
     return np.asarray(target_embed, np.float32) @ np.asarray(projection, np.float32)
 
 
-def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.ndarray | None,
-               path: str | os.PathLike, target_name: str, storage_dtype: str = "bfloat16",
+def save_draft(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.ndarray],
+               projection: np.ndarray | None, target_name: str, storage_dtype: str = "bfloat16",
                extra: dict | None = None) -> None:
     """Writes a draft whose embedding derives from the target's (see the module docstring).
 
     Args:
+      path: the directory to write (created if missing).
       cfg: the draft's config (tied embeddings).
       params: `param_specs(cfg)` arrays; `embed` is not stored.
       projection: float32 `[E_t, E]`, or None when the draft has the target's width.
@@ -93,8 +94,8 @@ def save_draft(cfg: ModelConfig, params: dict[str, np.ndarray], projection: np.n
     stored = cfg.replace(dtype=storage_dtype, head_vocab_size=0)
     params = dict(params)
     head_ids = params.pop(HEAD_IDS, None)
-    tensors = scatter(stored, _NAMES, cast(params, storage_dtype))
-    del tensors[_NAMES["embed"][0]]
+    tensors = scatter(stored, HF_NAMES, cast(params, storage_dtype))
+    del tensors[HF_NAMES["embed"][0]]
     if projection is not None:
         tensors[PROJECTION] = cast({"p": projection}, storage_dtype)["p"]
     if head_ids is not None:
@@ -134,14 +135,14 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
         e_t = hf["draft"]["target_hidden_size"]
         if e_t != tcfg.hidden_size:
             raise ValueError(f"draft {path} projects a hidden size {e_t} embedding; the target has {tcfg.hidden_size}")
-        tensors = _open_safetensors(os.path.join(path, "model.safetensors"))
+        tensors = open_safetensors(os.path.join(path, "model.safetensors"))
         if PROJECTION in tensors:
             embed = derived_embed(target.params["embed"], tensors[PROJECTION])
         elif cfg.hidden_size == e_t:
             embed = target.params["embed"]
         else:
             raise ValueError(f"draft {path} has hidden size {cfg.hidden_size} and no {PROJECTION}")
-        params = gather(cfg, _NAMES, lambda n: embed if n == _NAMES["embed"][0] else tensors[n])
+        params = gather(cfg, HF_NAMES, lambda n: embed if n == HF_NAMES["embed"][0] else tensors[n])
         if hf["draft"].get("head_vocab_size"):
             cfg = cfg.replace(head_vocab_size=hf["draft"]["head_vocab_size"])
             params[HEAD_IDS] = np.asarray(tensors[HEAD_IDS], np.int32)

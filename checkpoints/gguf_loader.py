@@ -17,7 +17,7 @@ from checkpoints._layout import NameMap, gather
 from model.config import ModelConfig, RopeScaling, get_preset, preset_names
 from model.llama import rope_inv_freq
 
-_NAMES: NameMap = {
+GGUF_NAMES: NameMap = {
     "embed": ("token_embd.weight", False),
     "final_norm": ("output_norm.weight", False),
     "lm_head": ("output.weight", True),
@@ -161,7 +161,7 @@ def load_gguf(path: str | os.PathLike | gguf.GGUFReader,
             w = unpermute_qk(w, heads)
         return w
 
-    return cfg, gather(cfg, _NAMES, fetch)
+    return cfg, gather(cfg, GGUF_NAMES, fetch)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import safetensors.numpy
 from checkpoints._layout import NameMap, cast, gather, scatter
 from model.config import ModelConfig
 
-_NAMES: NameMap = {
+HF_NAMES: NameMap = {
     "embed": ("model.embed_tokens.weight", False),
     "final_norm": ("model.norm.weight", False),
     "lm_head": ("lm_head.weight", True),
@@ -41,7 +41,7 @@ _NAMES: NameMap = {
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I32": np.int32}
 
 
-def _open_safetensors(path: str) -> dict[str, np.ndarray]:
+def open_safetensors(path: str) -> dict[str, np.ndarray]:
     """Memory-maps every tensor of one `.safetensors` file (no copy until cast)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
@@ -86,14 +86,14 @@ def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[Mode
         raise FileNotFoundError(f"no *.safetensors in {path}")
     tensors = {}
     for name in files:
-        tensors.update(_open_safetensors(os.path.join(path, name)))
+        tensors.update(open_safetensors(os.path.join(path, name)))
 
     def fetch(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"{path} has no tensor {name!r}")
         return tensors[name]
 
-    return cfg, gather(cfg, _NAMES, fetch)
+    return cfg, gather(cfg, HF_NAMES, fetch)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -132,14 +132,14 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     }
 
 
-def save_hf_dir(cfg: ModelConfig, params: dict[str, np.ndarray], path: str | os.PathLike,
+def save_hf_dir(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.ndarray],
                 tokenizer=None) -> None:
     """Writes `config.json` and `model.safetensors` (and the tokenizer's files if given) so that
     `load_hf_dir` and transformers' `from_pretrained` read it back. Params are saved in
     `cfg.dtype`; tied embeddings are written once (no `lm_head.weight`)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    tensors = scatter(cfg, _NAMES, cast(params, cfg.dtype))
+    tensors = scatter(cfg, HF_NAMES, cast(params, cfg.dtype))
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg), f, indent=2)

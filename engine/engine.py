@@ -1,4 +1,12 @@
-"""The engine loop: scheduler -> packed batch -> jitted step -> request updates."""
+"""The engine loop: schedule -> run -> update, over a scheduler (host), a runner (device) and per-request state.
+
+One `Engine.step`: the scheduler plans the step under the token budget
+(asking the drafter, if any, how many draft tokens each decode wants); the
+runner applies the plan's block operations, packs it into a bucket and runs
+the one step program; the engine then commits the step to the scheduler and
+turns each row's emitted tokens into a `RequestOutput` (detokenizing, stop
+strings, log-probabilities). The structure follows vLLM v1's `EngineCore.step`.
+"""
 
 from __future__ import annotations
 
@@ -6,141 +14,32 @@ import dataclasses
 import logging
 import secrets
 import time
-
-import jax
-import numpy as np
-from flax import nnx
+from collections.abc import Callable
 
 from engine.compilation import compilation_count
-from engine.scoring import ScoreOutput, make_score_step, score_sequence
-from engine.speculative import AdaptiveSpeculation, SpecBatch, SpeculationConfig, make_spec_step
-from engine.step import KVPool, Sampled, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
-from model.llama import Llama
-from pallas_kernels.reference import ragged_paged_attention_reference
+from engine.config import EngineConfig
+from engine.drafter import Drafter, SpeculationConfig
+from engine.inputs import check_token_ids
+from engine.outputs import Detokenizer, RequestOutput
+from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming, kv_bytes_per_block
+from engine.scoring import ScoreOutput
+from engine.step import Sampled
 from scheduler.block_manager import BlockManager
-from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import FinishReason, InvalidRequestError, Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
+from scheduler.util import cdiv
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits, separate from the model's config.
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    """The engine's bookkeeping of one request (or of one sample of an n > 1 request)."""
 
-    num_blocks: KV pool size in blocks; None sizes the pool from
-      `kv_cache_bytes`.
-    max_model_len: prompt + output tokens per sequence; None means the model's
-      context limit, capped at what the pool holds.
-    enable_prefix_caching: reuse the KV of cached prompt blocks (radix tree, LRU).
-    kv_watermark: fraction of the pool kept free: cached blocks are evicted to
-      keep it on the free list, and new requests are admitted only above it.
-    swap_space_bytes: host memory for the KV of preempted sequences.
-    swap_threshold_tokens: preempted sequences at least this long are swapped
-      to host memory; shorter ones (or when swap space is full) are recomputed.
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    kv_watermark: float = 0.1
-    swap_space_bytes: int = 1 << 30
-    swap_threshold_tokens: int = 256
-    # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
-    # only runs in interpret mode, an emulator several times slower).
-    attention: str = "auto"  # or "pallas" / "reference"
-
-    def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.attention not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0 <= self.kv_watermark < 1:
-            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
-        if self.swap_space_bytes < 0 or self.swap_threshold_tokens < 0:
-            raise ValueError("swap_space_bytes and swap_threshold_tokens must be >= 0")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (or None for the model's limit), got {self.max_model_len}")
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    """A request's state after a step: the full text so far and what is new.
-
-    A request with `n > 1` samples gives one output stream per sample (`index`).
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    delta_text: str = ""
-    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # With SamplingParams.logprobs set: one entry per token of `token_ids`,
-    # {token id: log-probability} for the top `logprobs` tokens (most likely
-    # first) and the generated token (last, if not among them).
-    logprobs: list[dict[int, float]] | None = None
-    index: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # Speculative decoding (zero without a draft): draft tokens proposed and
-    # accepted, and target steps that emitted tokens (decode or verify).
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_target_steps: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / proposed draft tokens; None if nothing was proposed."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Output tokens per target step that emitted any (1.0 without speculation)."""
-        return len(self.token_ids) / max(self.num_target_steps, 1)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class _Detokenizer:
-    """Incremental text of one request; holds back incomplete UTF-8 and possible stop-string prefixes."""
-
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tokenizer = tokenizer
-        self.stop = stop
-        self.text = ""
-        self.emitted = 0
-
-    def update(self, token_ids: list[int]) -> bool:
-        """Re-decodes the output; returns True if a stop string now ends it (text truncated there)."""
-        text = self.tokenizer.decode(token_ids)
-        searched_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        self.text = text
-        hits = [i for i in (text.find(s, searched_from) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = text[:min(hits)]
-            return True
-        return False
-
-    def delta(self, final: bool) -> str:
-        end = len(self.text)
-        if not final:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            end -= max((len(s) for s in self.stop), default=1) - 1
-        end = max(end, self.emitted)
-        out = self.text[self.emitted:end]
-        self.emitted = end
-        return out
+    request: Request
+    detokenizer: Detokenizer
+    seed: int  # the explicit or drawn 32-bit sampling seed
+    logprobs: list[dict[int, float]] | None  # one entry per generated token, when the request asked for them
 
 
 class Engine:
@@ -154,6 +53,9 @@ class Engine:
       speculation: K and the adaptive-speculation settings (with a draft).
     Raises:
       ValueError: bad limits, or a draft whose vocabulary differs.
+
+    `on_step`, if set, is called with each step's `StepTiming` (the program it
+    ran and its time per phase); `stats` keeps the totals.
     """
 
     def __init__(self, model, config: EngineConfig = EngineConfig(), draft=None,
@@ -162,15 +64,11 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = model.tokenizer
         self.config = config
-        llama = Llama(cfg, params=model.params)
-        self.graphdef, self.state = nnx.split(llama)
+        self.drafter = Drafter(draft, speculation or SpeculationConfig(), cfg.vocab_size) if draft else None
         B = config.block_size
-        bytes_per_block = _kv_bytes_per_block(cfg, B)
-        if draft is not None:
-            if draft.config.vocab_size != cfg.vocab_size:
-                raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
-                                 f"({cfg.vocab_size})")
-            bytes_per_block += _kv_bytes_per_block(draft.config, B)
+        bytes_per_block = kv_bytes_per_block(cfg, B)
+        if self.drafter is not None:
+            bytes_per_block += kv_bytes_per_block(self.drafter.model_config, B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
@@ -181,42 +79,15 @@ class Engine:
         self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, capacity)
         if self.max_model_len < cfg.max_position_embeddings:
             log.info("max_model_len %d (the KV pool holds %d tokens)", self.max_model_len, capacity)
-        self.max_blocks_per_seq = -(-self.max_model_len // B)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
-        self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
-        self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
-        self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, self.max_blocks_per_seq))
-        self.pool = KVPool.zeros(cfg, num_blocks, B)
-        self.attention = config.attention
-        if self.attention == "auto":
-            self.attention = "reference" if jax.default_backend() == "cpu" else "pallas"
-        attention = ragged_paged_attention_reference
-        if self.attention == "pallas":
-            from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-            attention = ragged_paged_attention
-        self._step = make_step(self.graphdef, attention)
-        self.draft_config = draft.config if draft is not None else None
-        self.speculation = None
-        if draft is not None:
-            self.draft_graphdef, self.draft_state = nnx.split(Llama(draft.config, params=draft.params))
-            self.draft_pool = KVPool.zeros(draft.config, num_blocks, B)
-            self.speculation = AdaptiveSpeculation(speculation or SpeculationConfig())
-            self._attention_fn = attention
-        self._score_step = make_score_step(self.graphdef, attention)
+        self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.drafter)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
-        self._requests: dict[str, Request] = {}
-        self._detok: dict[str, _Detokenizer] = {}
-        self._seeds: dict[str, int] = {}
-        self._children: dict[str, list[Request]] = {}  # n > 1 requests after their fork
-        self._logprobs: dict[str, list[dict[int, float]]] = {}  # requests that asked for them
-        self.num_steps = 0
-        self.num_draft_tokens = 0  # proposed and accepted draft tokens, all requests
-        self.num_accepted_tokens = 0
-        # Cumulative wall time: host work (schedule, pack, block ops, outputs) and the device step.
-        self.host_seconds = 0.0
-        self.device_seconds = 0.0
+        self._states: dict[str, RequestState] = {}
+        self._samples: dict[str, list[Request]] = {}  # n > 1 requests after their fork: the samples
+        self.stats = EngineStats()
+        self.on_step: Callable[[StepTiming], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -229,11 +100,10 @@ class Engine:
         """
         sampling.validate()
         k = sampling.num_speculative_tokens
-        if k and self.speculation is None:
+        if k and self.drafter is None:
             raise InvalidRequestError("speculation is not available: the engine has no draft model")
-        if k is not None and self.speculation is not None and k > self.speculation.config.num_speculative_tokens:
-            raise InvalidRequestError(f"num_speculative_tokens={k} exceeds the engine's "
-                                      f"{self.speculation.config.num_speculative_tokens}")
+        if self.drafter is not None:
+            self.drafter.validate(k)
         if sampling.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)
@@ -243,10 +113,7 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt has {n} tokens; the context limit is {self.max_model_len} tokens and must leave "
                 "room for at least one generated token")
-        V = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < V)]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {V}); got {bad[:5]}")
+        check_token_ids(prompt_token_ids, self.model_config.vocab_size)
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None, priority: int = 0, cache_salt: str | None = None,
@@ -268,19 +135,17 @@ class Engine:
         if request_id is not None:
             kwargs["request_id"] = request_id
         request = Request([int(t) for t in prompt_token_ids], sampling, self.eos_token_ids, **kwargs)
-        if request.request_id in self._requests or request.request_id in self._children:
+        if request.request_id in self._states or request.request_id in self._samples:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        self._requests[request.request_id] = request
-        self._detok[request.request_id] = _Detokenizer(self.tokenizer, sampling.stop)
-        self._seeds[request.request_id] = sampling.seed if sampling.seed is not None else secrets.randbits(32)
-        if sampling.logprobs is not None:
-            self._logprobs[request.request_id] = []
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        self._track(request, seed, [] if sampling.logprobs is not None else None)
         self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> None:
         """Ends a request (all its samples) now and frees its blocks; unknown ids are ignored."""
-        for request in [self._requests.get(request_id), *self._children.get(request_id, ())]:
+        state = self._states.get(request_id)
+        for request in [state.request if state else None, *self._samples.get(request_id, ())]:
             if request is not None and not request.finished:
                 self.scheduler.finish(request, FinishReason.ABORT)
                 self._forget(request)
@@ -288,30 +153,70 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _track(self, request: Request, seed: int, logprobs: list | None) -> None:
+        self._states[request.request_id] = RequestState(
+            request, Detokenizer(self.tokenizer, request.sampling.stop), seed, logprobs)
+
+    def _forget(self, request: Request) -> None:
+        """Drops the engine's bookkeeping of a finished request."""
+        del self._states[request.request_id]
+        if self.drafter is not None:
+            self.drafter.forget(request.request_id)
+        if request.parent is not None:
+            parent_id = request.parent.request_id
+            if all(c.finished for c in self._samples[parent_id]):
+                del self._samples[parent_id]
+
+    def _fork(self, parent: Request, children: list[Request]) -> None:
+        """Hands an n > 1 request's bookkeeping to its samples; sample i uses seed + i."""
+        state = self._states.pop(parent.request_id)
+        self._samples[parent.request_id] = children
+        for c in children:
+            self._track(c, (state.seed + c.index) % 2**32, [] if state.logprobs is not None else None)
+        if self.drafter is not None:
+            self.drafter.fork(parent, children)
+
     # ---- the loop -------------------------------------------------------------------------
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a program."""
+        return self.stats.num_steps
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
+        timing = StepTiming()
         t0 = time.perf_counter()
-        if self.speculation is not None:
-            for r in self.scheduler.running:
-                r.spec_k = self._spec_k(r)
-        plan = self.scheduler.schedule()
-        self._apply_block_ops(plan)
+        plan = self.scheduler.schedule(self._draft_len if self.drafter is not None else None)
+        t1 = time.perf_counter()
+        self.runner.apply_block_ops(plan)
         for parent, children in plan.forks:
             self._fork(parent, children)
-        if not plan.seqs:
-            self.host_seconds += time.perf_counter() - t0
-            return []
-        K = self._step_k(plan)
-        packed = pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
-                      self.seq_buckets, self._seeds, K)
-        t1 = time.perf_counter()
-        tokens, num_emitted, sampled = self._run(packed, K)
         t2 = time.perf_counter()
-        accepted = [int(num_emitted[i]) - 1 if s.num_draft else 0 for i, s in enumerate(plan.seqs)]
+        timing.schedule, timing.block_ops = t1 - t0, t2 - t1
+        outputs = []
+        if plan.seqs:
+            K = self.drafter.step_k(plan, self.num_steps) if self.drafter is not None else None
+            packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
+                                             for s in plan.seqs}, K)
+            timing.pack = time.perf_counter() - t2
+            result = self.runner.run(packed, K, timing)
+            t3 = time.perf_counter()
+            outputs = self._update(plan, result)
+            timing.update = time.perf_counter() - t3
+        self.stats.add(timing)
+        if plan.seqs and self.on_step is not None:
+            self.on_step(timing)
+        return outputs
+
+    def _draft_len(self, request: Request) -> int:
+        return self.drafter.draft_len(request, self.num_steps)
+
+    def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
+        """Commits the step to the scheduler and appends each sampling row's emitted tokens."""
+        accepted = [int(result.num_emitted[i]) - 1 if s.num_draft else 0 for i, s in enumerate(plan.seqs)]
         self.scheduler.commit(plan, accepted)
-        self.num_steps += 1
+        self.stats.num_steps += 1
         outputs = []
         for i, s in enumerate(plan.seqs):
             if not s.sample:
@@ -321,68 +226,18 @@ class Engine:
             if s.num_draft:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
-                self.num_draft_tokens += s.num_draft
-                self.num_accepted_tokens += accepted[i]
-                self.speculation.update(r.request_id, r.request_class, s.num_draft, accepted[i], self.num_steps)
+                self.stats.num_draft_tokens += s.num_draft
+                self.stats.num_accepted_tokens += accepted[i]
+                self.drafter.record(r, s.num_draft, accepted[i], self.num_steps)
             n = r.sampling.logprobs
-            emitted = tokens[i, :num_emitted[i]].tolist()
-            logprobs = [_logprob_entry(sampled, i, j, n) for j in range(len(emitted))] if n is not None else None
-            outputs.append(self._append(r, emitted, logprobs))
-        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self.device_seconds += t2 - t1
+            emitted = result.tokens[i, :result.num_emitted[i]].tolist()
+            logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None
+            outputs.append(self._append(self._states[r.request_id], emitted, logprobs))
         return outputs
 
-    def _spec_k(self, r: Request) -> int:
-        """The draft length a request wants now; 0 once its draft KV fell behind."""
-        if not r.draft_synced:
-            return 0
-        return self.speculation.k_for(r.request_id, r.request_class, r.sampling.num_speculative_tokens,
-                                      self.num_steps, seeded=r.sampling.seed is not None)
-
-    def _step_k(self, plan: StepPlan) -> int | None:
-        """The step's program: None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
-
-        When no request in the step will speculate, the draft is skipped: speculation that was
-        switched off then costs nothing, and those requests' draft KV falls behind for good. Their
-        blocks hold no draft KV either, so a later request that reuses them through the prefix
-        cache drafts from an incomplete context: fewer tokens accepted, the output unchanged.
-        """
-        if self.speculation is None:
-            return None
-        drafted = max(s.num_draft for s in plan.seqs)
-        if drafted:
-            return min(k for k in self.speculation.config.ladder if k >= drafted)
-        if any(self._spec_k(s.request) for s in plan.seqs):
-            return 0
-        for s in plan.seqs:
-            s.request.draft_synced = False
-        return None
-
-    def _run(self, packed: PackedBatch, K: int | None) -> tuple[np.ndarray, np.ndarray, Sampled | None]:
-        """Runs the step program and makes the step's one device-to-host read.
-
-        Returns (tokens int32 [S, K+1], num_emitted int32 [S], log-probabilities
-        of each emitted slot as a host `Sampled` with `[S, K+1]` leading dims, or
-        None when no request asked for them).
-        """
-        batch = StepBatch.from_packed(packed)
-        if K is None:
-            sampled, self.pool = self._step(self.state, self.pool, batch)
-            num_emitted = np.ones(sampled.tokens.shape[0], np.int32)
-        else:
-            step = make_spec_step(self.graphdef, self.draft_graphdef, self._attention_fn, K)
-            sampled, num_emitted, self.pool, self.draft_pool = step(
-                self.state, self.draft_state, self.pool, self.draft_pool, batch, SpecBatch.from_packed(packed.spec))
-        if not packed.want_logprobs.any():
-            tokens, num_emitted = jax.device_get((sampled.tokens, num_emitted))
-            return tokens.reshape(len(num_emitted), -1), num_emitted, None
-        sampled, num_emitted = jax.device_get((sampled, num_emitted))
-        sampled = jax.tree.map(lambda x: x.reshape(len(num_emitted), -1, *x.shape[1:]), sampled)
-        return sampled.tokens, num_emitted, sampled
-
-    def _append(self, request: Request, tokens: list[int], logprobs: list[dict] | None = None) -> RequestOutput:
+    def _append(self, state: RequestState, tokens: list[int], logprobs: list[dict] | None) -> RequestOutput:
         """Appends emitted tokens one by one; the first that finishes the request ends it (the rest are dropped)."""
-        detok = self._detok[request.request_id]
+        request, detok = state.request, state.detokenizer
         reason = None
         for n, token in enumerate(tokens, 1):
             reason = request.append_token(token, self.max_model_len)
@@ -391,9 +246,8 @@ class Engine:
             if reason is not None:
                 tokens = tokens[:n]
                 break
-        history = self._logprobs.get(request.request_id)
-        if history is not None:
-            history.extend(logprobs[:len(tokens)])
+        if state.logprobs is not None:
+            state.logprobs.extend(logprobs[:len(tokens)])
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._forget(request)
@@ -401,106 +255,48 @@ class Engine:
         return RequestOutput(
             user_id, request.prompt_token_ids, detok.text, list(request.output_token_ids),
             reason.value if reason else None, delta_text=detok.delta(final=reason is not None),
-            delta_token_ids=tokens, logprobs=list(history) if history is not None else None, index=request.index,
-            num_cached_tokens=request.num_cached_tokens, num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens, num_target_steps=request.num_target_steps)
-
-    def _forget(self, request: Request) -> None:
-        """Drops the engine's bookkeeping of a finished request."""
-        rid = request.request_id
-        del self._requests[rid], self._detok[rid], self._seeds[rid]
-        self._logprobs.pop(rid, None)
-        if self.speculation is not None:
-            self.speculation.forget(rid)
-        if request.parent is not None:
-            siblings = self._children[request.parent.request_id]
-            if all(c.finished for c in siblings):
-                del self._children[request.parent.request_id]
-
-    def _fork(self, parent: Request, children: list[Request]) -> None:
-        """Takes over an n > 1 request's bookkeeping for its samples; sample i uses seed + i."""
-        seed = self._seeds[parent.request_id]
-        del self._requests[parent.request_id], self._detok[parent.request_id], self._seeds[parent.request_id]
-        self._children[parent.request_id] = children
-        for c in children:
-            if self._logprobs.pop(parent.request_id, None) is not None or c.sampling.logprobs is not None:
-                self._logprobs[c.request_id] = []
-            self._requests[c.request_id] = c
-            self._detok[c.request_id] = _Detokenizer(self.tokenizer, c.sampling.stop)
-            self._seeds[c.request_id] = (seed + c.index) % 2**32
-
-    def _apply_block_ops(self, plan: StepPlan) -> None:
-        """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
-        pools = ["pool"] + (["draft_pool"] if self.speculation is not None else [])
-        for request, blocks in plan.swap_out:
-            ids = self._block_ids(blocks)
-            request.swapped_kv = [np.asarray(x)[:, :len(blocks)]
-                                  for name in pools for x in gather_blocks(getattr(self, name), ids)]
-        for request, blocks in plan.swap_in:
-            kv = request.swapped_kv
-            request.swapped_kv = None
-            ids = self._block_ids(blocks)
-            pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
-            for j, name in enumerate(pools):
-                k, v = kv[2 * j], kv[2 * j + 1]
-                setattr(self, name, scatter_blocks(getattr(self, name), ids, np.pad(k, pad), np.pad(v, pad)))
-        if plan.copies:
-            src = self._block_ids([c.src for c in plan.copies])
-            dst = self._block_ids([c.dst for c in plan.copies])
-            for name in pools:
-                setattr(self, name, copy_blocks(getattr(self, name), src, dst))
-
-    def _block_ids(self, blocks) -> np.ndarray:
-        """Block ids padded with the reserved block 0 to a block-op bucket."""
-        ids = np.zeros(bucket_for(len(blocks), self.block_op_buckets), np.int32)
-        ids[:len(blocks)] = blocks
-        return ids
+            delta_token_ids=tokens, logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            index=request.index, num_cached_tokens=request.num_cached_tokens,
+            num_draft_tokens=request.num_draft_tokens, num_accepted_tokens=request.num_accepted_tokens,
+            num_target_steps=request.num_target_steps)
 
     # ---- scoring --------------------------------------------------------------------------
 
     def score(self, token_ids: list[int]) -> ScoreOutput:
         """Log-probabilities of `token_ids[1:]`, each given the tokens before it (see `ScoreOutput`).
 
-        Runs between steps (same thread as `step`); requests in flight are unaffected.
+        Runs between steps (same thread as `step`) in blocks borrowed from the
+        pool for the call; requests in flight are unaffected.
         Raises:
           InvalidRequestError: empty, longer than `max_model_len`, or ids outside [0, V).
           scheduler.block_manager.NoFreeBlocksError: too few free KV blocks right now.
         """
-        return score_sequence(self, self._score_step, token_ids)
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("text to score is empty")
+        if n > self.max_model_len:
+            raise InvalidRequestError(f"text to score has {n} tokens; the context limit is {self.max_model_len}")
+        ids = check_token_ids(token_ids, self.model_config.vocab_size, "token ids")
+        allocation = self.blocks.allocate(None, n - 1)
+        try:
+            return ScoreOutput(ids, self.runner.score(ids, allocation).tolist())
+        finally:
+            self.blocks.free(allocation)
 
     # ---- compilation ----------------------------------------------------------------------
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
         """Every (token bucket, sequence bucket) shape the step can be compiled for."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        return self.runner.buckets
 
     def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
-        """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count."""
-        spec_ks = [None] if self.speculation is None else [None, 0, *self.speculation.config.ladder]
-        for T, S in buckets or self.buckets:
-            for K in spec_ks:
-                self._run(_padding_batch(T, S, self.max_blocks_per_seq, K), K)
-        if buckets is None:  # the block-op programs too (copy-on-write and swap)
-            for n in self.block_op_buckets:
-                ids = np.zeros(n, np.int32)
-                self.pool = copy_blocks(self.pool, ids, ids)
-                k, v = gather_blocks(self.pool, ids)
-                self.pool = scatter_blocks(self.pool, ids, k, v)
-                if self.speculation is not None:
-                    self.draft_pool = copy_blocks(self.draft_pool, ids, ids)
-                    k, v = gather_blocks(self.draft_pool, ids)
-                    self.draft_pool = scatter_blocks(self.draft_pool, ids, k, v)
-        jax.block_until_ready(self.pool)
-        return len(buckets or self.buckets)
+        """Compiles the step for `buckets` (default: all, and the block-op programs); returns the count."""
+        return self.runner.precompile(buckets)
 
     @staticmethod
     def compilation_count() -> int:
         return compilation_count()
-
-
-def _kv_bytes_per_block(cfg, block_size: int) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
 
 
 def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, float]:
@@ -508,8 +304,3 @@ def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, f
     entry = {int(t): float(v) for t, v in zip(sampled.top_ids[row, slot, :n], sampled.top_logprobs[row, slot, :n])}
     entry.setdefault(int(sampled.tokens[row, slot]), float(sampled.logprobs[row, slot]))
     return entry
-
-
-def _padding_batch(T: int, S: int, max_blocks: int, spec_k: int | None = None) -> PackedBatch:
-    """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
-    return pack(StepPlan([], []), 1, max_blocks, (T,), (S,), {}, spec_k)

@@ -1,6 +1,8 @@
 """Generate text from the command line, streaming it to stdout.
 
   python -m engine.generate --prompt "What is the capital of France?" --chat --temperature 0
+
+Model, engine and speculation flags are `engine.flags`'.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import sys
 
 from absl import app, flags, logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
+from engine.flags import FLAGS, llm_from_flags
+
 flags.DEFINE_string("prompt", None, "The prompt text.")
 flags.DEFINE_bool("chat", False, "Send the prompt as a user chat message through the model's chat template.")
 flags.DEFINE_integer("max_tokens", 128, "Most tokens to generate.")
@@ -20,13 +22,6 @@ flags.DEFINE_integer("top_k", 0, "Keep the k most likely tokens; 0 disables.")
 flags.DEFINE_float("min_p", 0.0, "Drop tokens below min_p times the top probability.")
 flags.DEFINE_integer("seed", None, "Sampling seed.")
 flags.DEFINE_multi_string("stop", [], "A stop string (repeat the flag for several).")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
-flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
-                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
-flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
-flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
-                  "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
 
 
 def main(argv):
@@ -36,16 +31,14 @@ def main(argv):
         print("error: --prompt is required and must not be empty", file=sys.stderr)
         return 2
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
-    from engine import LLM, InvalidRequestError, SamplingParams  # after flag parsing: jax import is slow
+    from engine import InvalidRequestError, SamplingParams  # after flag parsing: jax import is slow
 
     try:
         params = SamplingParams(temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
                                 min_p=FLAGS.min_p, seed=FLAGS.seed, max_tokens=FLAGS.max_tokens,
                                 stop=tuple(FLAGS.stop))
         params.validate()
-        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
-                  speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
-                  draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens)
+        llm = llm_from_flags()
         prompt = [{"role": "user", "content": FLAGS.prompt}] if FLAGS.chat else FLAGS.prompt
         outputs = llm.generate([prompt], params,
                                on_output=lambda _, out: print(out.delta_text, end="", flush=True))

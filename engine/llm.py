@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import numpy as np
 
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
-from engine.engine import Engine, EngineConfig, RequestOutput
-from engine.speculative import SpeculationConfig
+from engine.config import EngineConfig
+from engine.drafter import SpeculationConfig
+from engine.engine import Engine
+from engine.inputs import Prompt, encode_prompt
+from engine.outputs import RequestOutput
 from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
-
-# A prompt is text, token ids, or a chat conversation (list of {"role", "content"}).
-Prompt = Union[str, Sequence[int], Sequence[dict]]
 
 
 class LLM:
@@ -61,23 +61,8 @@ class LLM:
                              speculation=SpeculationConfig(num_speculative_tokens) if draft else None)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt; chat conversations go through the model's chat template."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, np.ndarray) and prompt.ndim == 1 and np.issubdtype(prompt.dtype, np.integer):
-            return prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidRequestError(
-                f"a prompt must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
-        prompt = [int(t) if isinstance(t, np.integer) else t for t in prompt]
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise InvalidRequestError(f"chat messages need string 'role' and 'content': {m!r}")
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise InvalidRequestError("a prompt must be a string, a list of token ids or a list of chat messages")
+        """Token ids of a prompt (see `engine.inputs.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

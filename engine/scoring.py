@@ -1,9 +1,10 @@
 """Scoring: log-probabilities of given token sequences under the model (teacher forcing).
 
-A sequence runs through the same paged forward as generation, in chunks of at
-most the token budget, writing its KV into blocks borrowed from the engine's
-pool for the duration of the call; every position's logits are kept (not
-only the last), so a sequence of n tokens costs one prefill of n tokens.
+A sequence runs through the same paged forward as generation
+(`engine.runner.ModelRunner.score`), in chunks of at most the token budget,
+writing its KV into blocks borrowed from the engine's pool for the duration
+of the call; every position's logits are kept (not only the last), so a
+sequence of n tokens costs one prefill of n tokens.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ import numpy as np
 from flax import nnx
 
 from engine.step import KVPool, StepBatch, paged_attend
-from scheduler.packing import bucket_for, pack
-from scheduler.request import InvalidRequestError, Request, SamplingParams
-from scheduler.scheduler import ScheduledSeq, StepPlan
 
 
 @dataclasses.dataclass
@@ -57,43 +55,3 @@ def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
         return chosen - jax.nn.logsumexp(logits, axis=-1), pool
 
     return score_step
-
-
-def score_sequence(engine, score_step: Callable, token_ids: list[int]) -> ScoreOutput:
-    """Scores one sequence on `engine` (an `engine.engine.Engine`) with `score_step` (from
-    `make_score_step`); call it on the engine's thread.
-
-    Runs between engine steps; requests in flight are unaffected. Compiles
-    once per token bucket on first use.
-    Raises:
-      InvalidRequestError: empty, longer than `engine.max_model_len`, or ids outside [0, V).
-      scheduler.block_manager.NoFreeBlocksError: the pool has too few free
-        blocks for the sequence right now (running requests hold them).
-    """
-    ids = [int(t) for t in token_ids]
-    n, V = len(ids), engine.model_config.vocab_size
-    if n == 0:
-        raise InvalidRequestError("text to score is empty")
-    if n > engine.max_model_len:
-        raise InvalidRequestError(f"text to score has {n} tokens; the context limit is {engine.max_model_len}")
-    bad = [t for t in ids if not 0 <= t < V]
-    if bad:
-        raise InvalidRequestError(f"token ids must be in [0, {V}); got {bad[:5]}")
-    # A request object only to reuse `pack`; it never enters the scheduler.
-    request = Request(ids, SamplingParams(), request_id="score")
-    request.allocation = engine.blocks.allocate(None, n - 1)
-    budget = engine.config.max_num_batched_tokens
-    out = np.empty(n - 1, np.float32)
-    try:
-        for start in range(0, n - 1, budget):
-            m = min(budget, n - 1 - start)  # the last token is only a target
-            plan = StepPlan([ScheduledSeq(request, start, m, sample=False)], [])
-            packed = pack(plan, engine.config.block_size, engine.max_blocks_per_seq, engine.token_buckets,
-                          engine.seq_buckets, {"score": 0})
-            targets = np.zeros(bucket_for(m, engine.token_buckets), np.int32)
-            targets[:m] = ids[start + 1:start + 1 + m]
-            logprobs, engine.pool = score_step(engine.state, engine.pool, StepBatch.from_packed(packed), targets)
-            out[start:start + m] = np.asarray(logprobs)[:m]
-    finally:
-        engine.blocks.free(request.allocation)
-    return ScoreOutput(ids, out.tolist())

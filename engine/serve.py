@@ -4,7 +4,8 @@
 
 Prints `serving <model> on <host>:<port>` (and the metrics address) once it
 accepts calls. SIGTERM or SIGINT: stop accepting, give calls in flight
-`--grace_s` seconds, abort the rest, stop the engine thread, exit 0.
+`--grace_s` seconds, abort the rest, stop the engine thread, exit 0. Model, engine and
+speculation flags are `engine.flags`'; the server itself is `engine.serving`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ import sys
 
 from absl import app, flags, logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
-flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
-                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
-flags.DEFINE_string("draft", None, "Draft model (bundled name or path); default: the model's own draft.")
-flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
+from engine.flags import FLAGS, llm_from_flags
+
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::] for every interface).")
 flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one.")
 flags.DEFINE_integer("metrics_port", 9464, "Prometheus /metrics HTTP port on --host; 0 picks a free one, "
@@ -30,16 +27,6 @@ flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
 flags.DEFINE_string("auth_token_file", None, "File holding a shared token; calls must then send metadata "
                     "'authorization: Bearer <token>' (health checks are exempt).")
 flags.DEFINE_float("grace_s", 10.0, "On SIGTERM, seconds calls in flight get to finish before they are aborted.")
-flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
-                  "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
-flags.DEFINE_integer("block_size", 16, "KV block size in tokens (a power of two).")
-flags.DEFINE_integer("num_blocks", None, "KV pool size in blocks; default: sized from --kv_cache_bytes.")
-flags.DEFINE_integer("kv_cache_bytes", 1 << 30, "KV pool bytes when --num_blocks is not set.")
-flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
-flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
-flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
-                     "(capped by the KV pool).")
 flags.DEFINE_bool("precompile", False, "Compile every step bucket before serving (slow on CPU).")
 
 
@@ -49,7 +36,7 @@ def _read(path: str) -> bytes:
 
 
 async def _serve(server) -> None:
-    """Runs `server` (an `engine.server.GenerationServer`) until SIGTERM or SIGINT."""
+    """Runs `server` (an `engine.serving.server.GenerationServer`) until SIGTERM or SIGINT."""
     port = await server.start()
     http = server.metrics.serve(FLAGS.metrics_port, FLAGS.host) if FLAGS.metrics_port >= 0 else None
     stop = asyncio.Event()
@@ -71,8 +58,8 @@ def main(argv):
     if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
         raise app.UsageError("--tls_cert and --tls_key go together")
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
-    from engine import LLM
-    from engine.server import GenerationServer, TLSConfig
+    from engine.serving.server import GenerationServer, TLSConfig
+    from engine.serving.worker import EngineWorker
 
     auth_token = None
     if FLAGS.auth_token_file:
@@ -81,18 +68,14 @@ def main(argv):
             raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file} is empty")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
     try:
-        llm = LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
-                  speculative=None if FLAGS.speculative == "off" else FLAGS.speculative, draft_model=FLAGS.draft,
-                  num_speculative_tokens=FLAGS.num_speculative_tokens, block_size=FLAGS.block_size,
-                  num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes, max_num_seqs=FLAGS.max_num_seqs,
-                  max_num_batched_tokens=FLAGS.max_num_batched_tokens, max_model_len=FLAGS.max_model_len)
+        llm = llm_from_flags()
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     if FLAGS.precompile:
         print(f"precompiled {llm.engine.precompile()} step shapes", flush=True)
-    asyncio.run(_serve(GenerationServer(llm, model_name=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
-                                        auth_token=auth_token, tls=tls)))
+    asyncio.run(_serve(GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model,
+                                        host=FLAGS.host, port=FLAGS.port, auth_token=auth_token, tls=tls)))
     return 0
 
 

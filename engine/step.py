@@ -31,10 +31,6 @@ class KVPool:
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
-    @property
-    def num_bytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
 
 @struct.dataclass
 class StepBatch:
@@ -130,21 +126,23 @@ def make_step(graphdef: nnx.GraphDef, attention: Callable):
 
 
 # ---- block operations (copy-on-write, swap), run before a step -------------------------------
+# Each takes `pools`, any pytree of `KVPool`s (the target's, and the draft's beside it): one block
+# table indexes them all, so a block operation applies to every pool alike.
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
-    """Copies blocks `src[i]` to `dst[i]` in every layer (int32 `[N]`; padding copies 0 -> 0)."""
-    return KVPool(pool.k.at[:, dst].set(pool.k[:, src]), pool.v.at[:, dst].set(pool.v[:, src]))
+def copy_blocks(pools, src: jax.Array, dst: jax.Array):
+    """Copies blocks `src[i]` to `dst[i]` in every layer of every pool (int32 `[N]`; padding copies 0 -> 0)."""
+    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pools)
 
 
 @jax.jit
-def gather_blocks(pool: KVPool, blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """K and V of `blocks` (int32 `[N]`) in every layer: two `[L, N, B, K, D]` arrays (swap out)."""
-    return pool.k[:, blocks], pool.v[:, blocks]
+def gather_blocks(pools, blocks: jax.Array):
+    """The K and V of `blocks` (int32 `[N]`): `pools`' structure with `[L, N, B, K, D]` leaves (swap out)."""
+    return jax.tree.map(lambda x: x[:, blocks], pools)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def scatter_blocks(pool: KVPool, blocks: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-    """Writes `k`, `v` (`[L, N, B, K, D]`) into `blocks` (int32 `[N]`) of every layer (swap in)."""
-    return KVPool(pool.k.at[:, blocks].set(k.astype(pool.k.dtype)), pool.v.at[:, blocks].set(v.astype(pool.v.dtype)))
+def scatter_blocks(pools, blocks: jax.Array, values):
+    """Writes `values` (as `gather_blocks` returns them) into `blocks` (int32 `[N]`) of every pool (swap in)."""
+    return jax.tree.map(lambda x, v: x.at[:, blocks].set(v.astype(x.dtype)), pools, values)

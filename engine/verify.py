@@ -55,23 +55,6 @@ def _gumbel(keys: jax.Array, V: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
 
 
-def draft_probs_from_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                            min_p: jax.Array) -> jax.Array:
-    """The draft distribution `p` under the request's sampling settings.
-
-    Args:
-      logits: float32 `[S, V]`, the draft model's logits.
-      temperature, top_k, top_p, min_p: `[S]` as in `engine.sampler.filter_logits`;
-        rows with temperature 0 are greedy.
-    Returns:
-      float32 `[S, V]`: softmax of the filtered logits; one-hot at the argmax for greedy rows.
-    """
-    t = jnp.where(temperature > 0, temperature, 1.0)
-    probs = jax.nn.softmax(filter_logits(logits, t, top_k, top_p, min_p), axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where((temperature > 0)[:, None], probs, one_hot)
-
-
 @jax.jit
 def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
                  seeds: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -164,6 +164,28 @@ class Llama(nnx.Module):
             for i in range(cfg.num_layers)])
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
 
+    def to_params(self) -> dict[str, np.ndarray]:
+        """The weights as `param_specs` arrays (numpy, the model's dtype): the inverse of `Llama(cfg, params=...)`.
+
+        Splits the fused QKV and gate/up projections back into their parts.
+        """
+        cfg = self.cfg
+        q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        stack = lambda name: np.stack([np.asarray(getattr(lp, name)[...]) for lp in self.layers])
+        wqkv, gate_up = stack("wqkv"), stack("w_gate_up")
+        params = {"embed": np.asarray(self.embed[...]), "final_norm": np.asarray(self.final_norm[...]),
+                  "attn_norm": stack("attn_norm"), "mlp_norm": stack("mlp_norm"), "wo": stack("wo"),
+                  "w_down": stack("w_down"), "wq": wqkv[..., :q], "wk": wqkv[..., q:q + kv], "wv": wqkv[..., q + kv:],
+                  "w_gate": gate_up[..., :F], "w_up": gate_up[..., F:]}
+        if cfg.qkv_bias:
+            bqkv = stack("bqkv")
+            params.update(bq=bqkv[..., :q], bk=bqkv[..., q:q + kv], bv=bqkv[..., q + kv:])
+        if not cfg.tie_word_embeddings:
+            params["lm_head"] = np.asarray(self.lm_head[...])
+        if cfg.head_vocab_size:
+            params["head_ids"] = np.asarray(self.head_ids[...])
+        return params
+
     def __call__(self, token_ids: jax.Array, positions: jax.Array, attend: AttendFn,
                  cache: object) -> tuple[jax.Array, object]:
         """Runs all layers over a flattened batch.

@@ -13,6 +13,8 @@ import collections
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
+from scheduler.util import cdiv
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs right now."""
@@ -116,7 +118,7 @@ class BlockManager:
     def blocks_needed(self, allocation: Allocation | None, num_tokens: int) -> int:
         """Extra blocks `allocation` needs to hold `num_tokens` tokens."""
         have = len(allocation._blocks) if allocation is not None else 0
-        return max(0, -(-num_tokens // self.block_size) - have)
+        return max(0, cdiv(num_tokens, self.block_size) - have)
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -148,7 +150,7 @@ class BlockManager:
 
     def truncate(self, allocation: Allocation, num_tokens: int) -> None:
         """Frees the blocks past the first `num_tokens` tokens (rejected draft positions)."""
-        keep = -(-num_tokens // self.block_size)
+        keep = cdiv(num_tokens, self.block_size)
         while len(allocation._blocks) > keep:
             self._release(allocation._blocks.pop())
         self._keep_watermark()

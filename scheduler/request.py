@@ -141,8 +141,6 @@ class Request:
     index: int = 0  # sample index among the parent's children
     swapped_kv: object = None  # host copy of the KV while swapped out (the engine's)
     num_preemptions: int = 0
-    spec_k: int = 0  # draft tokens wanted at the next decode step (set by the engine)
-    draft_synced: bool = True  # the draft's KV holds every computed token (false after a step without the draft)
     num_draft_tokens: int = 0  # proposed by the draft, over the request's life
     num_accepted_tokens: int = 0
     num_target_steps: int = 0  # steps that emitted tokens for this request

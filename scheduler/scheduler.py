@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 
 from scheduler.block_manager import BlockCopy, BlockManager, NoFreeBlocksError
 from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.util import cdiv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +86,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, draft_len: Callable[[Request], int] | None = None) -> StepPlan:
         """Packs one step.
+
+        `draft_len(request)`: the draft tokens a decode wants this step (None:
+        no speculation); asked only of requests that decode this step.
 
         Invariant: there are no prefill or decode phases; every scheduled
         request computes some of its missing tokens
         (`num_schedulable_tokens - num_computed_tokens`), plus, for a decode
-        with `spec_k > 0`, up to `spec_k` draft tokens counted in the budget;
+        that wants k > 0 draft tokens, up to k counted in the budget;
         a request's scheduled tokens always have blocks. Order: running decodes, then
         running (chunked) prefills, each by priority then arrival and each
         taking what is left of the token budget; when one cannot get a block,
@@ -109,7 +114,7 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:
                 n = min(_missing(request), budget)
-                k = self._draft_len(request, budget) if _missing(request) == 1 else 0
+                k = self._draft_len(request, budget, draft_len) if draft_len and _missing(request) == 1 else 0
                 budget -= self._schedule_running(request, n + k, plan, k)
         while self.swapped and budget > 0 and self._num_slots() < self.config.max_num_seqs:
             n = self._swap_in(self.swapped[0], budget, plan)
@@ -126,8 +131,8 @@ class Scheduler:
 
     # ---- running requests ---------------------------------------------------------------
 
-    def _draft_len(self, request: Request, budget: int) -> int:
-        """Draft tokens for a decode: its `spec_k`, bounded by the budget, `max_tokens` and the context limit.
+    def _draft_len(self, request: Request, budget: int, wanted: Callable[[Request], int]) -> int:
+        """Draft tokens for a decode: what it wants, bounded by the budget, `max_tokens` and the context limit.
 
         A verify step emits at most num_draft + 1 tokens, so num_draft stays
         below both what `max_tokens` and `max_model_len` leave.
@@ -139,7 +144,7 @@ class Scheduler:
             return 0
         left = min(request.sampling.max_tokens - len(request.output_token_ids),
                    self.config.max_model_len - request.num_tokens)
-        return max(0, min(request.spec_k, budget - 1, left - 1))
+        return max(0, min(wanted(request), budget - 1, left - 1))
 
     def _schedule_running(self, request: Request, n: int, plan: StepPlan, num_draft: int = 0) -> int:
         """Schedules `n` tokens of a running request, preempting others for blocks; returns tokens used."""
@@ -166,7 +171,7 @@ class Scheduler:
         self.running.remove(request)
         request.num_preemptions += 1
         plan.preempted.append(request)
-        n_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        n_blocks = cdiv(request.num_computed_tokens, self.blocks.block_size)
         if (not copying and request.num_computed_tokens >= self.config.swap_threshold_tokens
                 and self.swap_used_blocks + n_blocks <= self.config.swap_space_blocks):
             plan.swap_out.append((request, request.allocation.block_ids[:n_blocks]))
@@ -189,7 +194,7 @@ class Scheduler:
                     num_computed_tokens=parent.num_computed_tokens, status=RequestStatus.RUNNING,
                     allocation=self.blocks.fork(parent.allocation), cache_salt=parent.cache_salt,
                     num_cached_tokens=parent.num_cached_tokens, parent=parent, index=i,
-                    request_class=parent.request_class, draft_synced=parent.draft_synced)
+                    request_class=parent.request_class)
             for i in range(parent.sampling.n)]
         self.blocks.free(parent.allocation)
         self.running.remove(parent)
@@ -217,7 +222,7 @@ class Scheduler:
         if not self._room(self.blocks.blocks_needed(None, request.num_computed_tokens + n)):
             return 0
         request.allocation = self.blocks.allocate(None, request.num_computed_tokens + n, request.cache_salt)
-        n_blocks = -(-request.num_computed_tokens // self.blocks.block_size)
+        n_blocks = cdiv(request.num_computed_tokens, self.blocks.block_size)
         plan.swap_in.append((request, request.allocation.block_ids[:n_blocks]))
         self.swap_used_blocks -= n_blocks
         self.swapped.pop(0)
@@ -281,7 +286,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
-            self.swap_used_blocks -= -(-request.num_computed_tokens // self.blocks.block_size)
+            self.swap_used_blocks -= cdiv(request.num_computed_tokens, self.blocks.block_size)
             request.swapped_kv = None
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)

@@ -78,7 +78,7 @@ def test_hf_dir_matches_transformers(hf_dir):
 
 def test_hf_round_trip(hf_dir, tmp_path):
     cfg, params = load_hf_dir(hf_dir[0])
-    save_hf_dir(cfg, params, tmp_path)
+    save_hf_dir(tmp_path, cfg, params)
     cfg2, params2 = load_hf_dir(tmp_path)
     assert cfg2 == cfg
     assert params2.keys() == params.keys()

@@ -10,7 +10,7 @@ import pytest
 from checkpoints import load_model
 from checkpoints.draft import load_draft, save_draft
 from checkpoints.resolve import random_params
-from engine.distill import simulate_greedy
+from training.distill import simulate_greedy
 from model.config import ModelConfig
 from model.llama import LAYER_PARAMS, Llama
 
@@ -26,7 +26,7 @@ def test_projected_draft_round_trip(tmp_path):
     target = load_model("tiny-llama")
     params = random_params(TINY_DRAFT, seed=3)
     projection = np.random.default_rng(0).normal(0, 0.1, (target.config.hidden_size, 32)).astype(np.float32)
-    save_draft(TINY_DRAFT, params, projection, tmp_path, target_name="tiny-llama")
+    save_draft(tmp_path, TINY_DRAFT, params, projection, target_name="tiny-llama")
     draft = load_draft(str(tmp_path), target)
     assert draft.config.hidden_size == 32 and draft.config.vocab_size == 256
     assert draft.tokenizer is target.tokenizer
@@ -46,7 +46,7 @@ def test_same_width_draft_with_partial_head(tmp_path):
     cfg = target.config.replace(name="layers-0-1", num_layers=2, head_vocab_size=40, tie_word_embeddings=True)
     params = {k: (v[:2] if k in LAYER_PARAMS else v) for k, v in target.params.items() if k != "lm_head"}
     head_ids = np.random.default_rng(1).choice(target.config.vocab_size, 40, replace=False)
-    save_draft(cfg, {**params, "head_ids": head_ids}, None, tmp_path, target_name="tiny-llama")
+    save_draft(tmp_path, cfg, {**params, "head_ids": head_ids}, None, target_name="tiny-llama")
     draft = load_draft(str(tmp_path), target)
     assert draft.config.head_vocab_size == 40 and draft.config.num_layers == 2
     np.testing.assert_array_equal(draft.params["embed"], target.params["embed"])
@@ -64,7 +64,7 @@ def test_same_width_draft_with_partial_head(tmp_path):
 def test_draft_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no draft"):
         load_draft(str(tmp_path / "missing"), load_model("tiny-llama"))
-    save_draft(TINY_DRAFT, random_params(TINY_DRAFT), np.zeros((64, 32), np.float32), tmp_path, "tiny-llama")
+    save_draft(tmp_path, TINY_DRAFT, random_params(TINY_DRAFT), np.zeros((64, 32), np.float32), "tiny-llama")
     with pytest.raises(ValueError, match="hidden size 64"):
         load_draft(str(tmp_path), load_model("tiny-qwen2"))  # E_t = 48
     cfg = TINY_DRAFT.replace(head_vocab_size=4)

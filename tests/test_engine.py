@@ -17,12 +17,12 @@ def _dense_greedy(llm, prompt_ids, n, width=128):
     """Greedy tokens from the unpaged forward; right padding to `width` leaves causal logits unchanged."""
     from flax import nnx
 
-    graphdef = llm.engine.graphdef
+    graphdef = llm.engine.runner.graphdef
     logits_at = jax.jit(lambda st, ids, i: nnx.merge(graphdef, st).dense_logits(ids[None])[0, i])
     ids = list(prompt_ids)
     for _ in range(n):
         padded = jnp.asarray(ids + [0] * (width - len(ids)), jnp.int32)
-        ids.append(int(jnp.argmax(logits_at(llm.engine.state, padded, len(ids) - 1))))
+        ids.append(int(jnp.argmax(logits_at(llm.engine.runner.state, padded, len(ids) - 1))))
     return ids[len(prompt_ids):]
 
 

@@ -265,9 +265,10 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, s
         for r, abort_step in live:
             if abort_step == step and not r.finished:
                 sch.finish(r, FinishReason.ABORT)
-        for r in sch.running:
-            r.spec_k = (step + r.index) % 3 if spec else 0
-        plan = sch.schedule()
+        def wanted(r, step=step):
+            return (step + r.index) % 3 if spec else 0
+
+        plan = sch.schedule(wanted)
         for parent, children in plan.forks:
             live.extend((c, None) for c in children)
         for r, blocks in plan.swap_out:
@@ -284,7 +285,7 @@ def test_scheduler_invariants(specs, num_blocks, block_size, budget, max_seqs, s
             first_admitted.setdefault(r.parent or r, step)
             end = s.start + s.num_new_tokens
             real_end = end - s.num_draft
-            assert s.num_draft <= r.spec_k and s.start + s.num_new_tokens <= max_len
+            assert s.num_draft <= wanted(r) and s.start + s.num_new_tokens <= max_len
             table = r.allocation.block_ids
             assert len(table) * block_size >= end
             drafts = [5 + (step + j) % 4 for j in range(s.num_draft)]

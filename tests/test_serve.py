@@ -1,7 +1,7 @@
 """The gRPC service end to end on loopback, with tiny random-weight models.
 
 Servers run in this process on their own event-loop thread (the engine on
-its worker thread); clients are the project's own (`engine.client`).
+its worker thread); clients are the project's own (`engine.serving.client`).
 """
 
 import asyncio
@@ -27,10 +27,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from benchmarks.grpc_load import run_load
 from checkpoints import LoadedModel, load_model
 from engine import LLM, SamplingParams
-from engine.client import AsyncClient, Client, generate_request
-from engine.engine import Engine, EngineConfig
-from engine.protos import generate_pb2 as pb
-from engine.server import SERVICE_NAME, GenerationServer, TLSConfig
+from engine.serving.client import AsyncClient, Client, generate_request
+from engine import Engine, EngineConfig
+from engine.serving.protos import generate_pb2 as pb
+from engine.serving.server import SERVICE_NAME, GenerationServer, TLSConfig
+from engine.serving.worker import EngineWorker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "s3cret-token"
@@ -44,7 +45,7 @@ class ServerThread:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.server = GenerationServer(llm, model_name="tiny-llama", **kwargs)
+        self.server = GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name="tiny-llama", **kwargs)
         self.port = self.run(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
 
@@ -505,12 +506,12 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
 
 def test_generated_proto_code_is_up_to_date(tmp_path):
     protoc = pytest.importorskip("grpc_tools.protoc")
-    proto = "engine/protos/generate.proto"
+    proto = "engine/serving/protos/generate.proto"
     assert protoc.main(["protoc", f"-I{ROOT}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
                         f"--grpc_python_out={tmp_path}", os.path.join(ROOT, proto)]) == 0
     for name in ("generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py"):
-        with open(os.path.join(ROOT, "engine/protos", name)) as committed, \
-                open(tmp_path / "engine/protos" / name) as fresh:
+        with open(os.path.join(ROOT, "engine/serving/protos", name)) as committed, \
+                open(tmp_path / "engine/serving/protos" / name) as fresh:
             assert committed.read() == fresh.read(), f"{name} is stale: regenerate it (BUILD.md)"
 
 

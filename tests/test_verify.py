@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 from engine.sampler import filter_logits, sample
-from engine.verify import draft_probs_from_logits, sample_draft, verify
+from engine.verify import sample_draft, verify
 
 ALPHA = 1e-3
 N = 60_000
@@ -121,13 +121,21 @@ def test_target_distribution_is_taken_after_filtering(logits, kw):
     assert _chi2_pvalue(out[:, 0], q_unfiltered) < 1e-9
 
 
+def _draft_probs(logits, temperature, top_k, top_p, min_p):
+    """Reference `p` [S, V]: softmax of the filtered logits; one-hot at the argmax for greedy rows."""
+    t = jnp.where(temperature > 0, temperature, 1.0)
+    probs = jax.nn.softmax(filter_logits(logits, t, top_k, top_p, min_p), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where((temperature > 0)[:, None], probs, one_hot)
+
+
 def test_draft_sampler_draws_from_p_independently_of_the_sampler():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(np.broadcast_to(rng.normal(0, 1, V).astype(np.float32), (N, V)))
     settings = _settings(N, temperature=0.8, top_p=0.9)
     seeds, positions = jnp.arange(N, dtype=jnp.uint32), jnp.full(N, START, jnp.int32)
     tokens, probs = sample_draft(logits, *settings, seeds, positions)
-    np.testing.assert_allclose(probs, draft_probs_from_logits(logits, *settings), rtol=1e-6)
+    np.testing.assert_allclose(probs, _draft_probs(logits, *settings), rtol=1e-6)
     tokens = np.asarray(tokens)
     assert _chi2_pvalue(tokens, np.asarray(probs[0])) > ALPHA
     # The draft stream and the sampler's stream at the same (seed, position) are independent.

@@ -21,8 +21,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import Engine, RequestOutput
-from engine.metrics import Metrics
+from engine.engine import Engine
+from engine.outputs import RequestOutput
+from engine.serving.metrics import Metrics
 from scheduler.request import InvalidRequestError, Request, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,12 @@ class EngineWorker:
 
     Args:
       engine: the engine; after `start()` only the engine thread touches it.
-      metrics: updated after every step, if given.
+      metrics: updated after every step; None creates a fresh set.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics | None = None):
         self.engine = engine
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -128,8 +129,7 @@ class EngineWorker:
             try:
                 stream.request = self.engine.add_request(prompt, sampling, stream.request_id, priority)
             except InvalidRequestError as e:
-                if self.metrics:
-                    self.metrics.rejected.inc()
+                self.metrics.rejected.inc()
                 _deliver(stream.loop, [(stream, e)])
                 return
             except Exception as e:  # a bug must not kill the engine thread and hang every caller
@@ -152,8 +152,7 @@ class EngineWorker:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the caller's loop is closed
                 pass
-        if self.metrics:
-            self.metrics.record_engine_state(self.engine)
+        self.metrics.record_engine_state(self.engine)
 
     def _step(self) -> None:
         try:
@@ -175,8 +174,8 @@ class EngineWorker:
                 del self._streams[out.request_id]
                 self._record_finished(stream, out.finish_reason)
             deliveries.setdefault(stream.loop, []).append((stream, out))
-        if self.metrics:  # before delivery, so a client that saw its tokens sees them counted
-            self.metrics.record_step(self.engine, num_tokens)
+        # Before delivery, so a client that saw its tokens sees them counted.
+        self.metrics.record_step(self.engine, num_tokens)
         for loop, items in deliveries.items():
             _deliver(loop, items)
 
@@ -189,7 +188,7 @@ class EngineWorker:
         self._streams.clear()
 
     def _record_tokens(self, stream: Stream, out: RequestOutput, now: float) -> None:
-        if self.metrics and out.delta_token_ids:
+        if out.delta_token_ids:
             if stream.last_token_time is None:
                 self.metrics.ttft.observe(now - stream.arrival)
             else:
@@ -199,14 +198,9 @@ class EngineWorker:
         stream.last_token_time = now
 
     def _record_finished(self, stream: Stream, reason: str) -> None:
-        if self.metrics and stream.request is not None:
+        if stream.request is not None:
             self.metrics.record_finished(reason, len(stream.request.prompt_token_ids),
-                                         cached_prompt_tokens(stream.request))
-
-
-def cached_prompt_tokens(request: Request) -> int:
-    """Prompt tokens whose KV came from the prefix cache; 0 while the engine has no prefix cache."""
-    return getattr(request, "num_cached_tokens", 0)
+                                         stream.request.num_cached_tokens)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Stream, RequestOutput | Exception]]) -> None:

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from engine.protos import generate_pb2 as engine_dot_protos_dot_generate__pb2
+from engine.serving.protos import generate_pb2 as engine_dot_serving_dot_protos_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in engine/protos/generate_pb2_grpc.py depends on'
+        + ' but the generated code in engine/serving/protos/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/jaxspec.v1.Generation/Generate',
-                request_serializer=engine_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=engine_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Score = channel.unary_unary(
                 '/jaxspec.v1.Generation/Score',
-                request_serializer=engine_dot_protos_dot_generate__pb2.ScoreRequest.SerializeToString,
-                response_deserializer=engine_dot_protos_dot_generate__pb2.ScoreResponse.FromString,
+                request_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.ScoreResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/jaxspec.v1.Generation/Tokenize',
-                request_serializer=engine_dot_protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=engine_dot_protos_dot_generate__pb2.TokenizeResponse.FromString,
+                request_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
                 '/jaxspec.v1.Generation/Detokenize',
-                request_serializer=engine_dot_protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=engine_dot_protos_dot_generate__pb2.DetokenizeResponse.FromString,
+                request_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/jaxspec.v1.Generation/ModelInfo',
-                request_serializer=engine_dot_protos_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=engine_dot_protos_dot_generate__pb2.ModelInfoResponse.FromString,
+                request_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -103,28 +103,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=engine_dot_protos_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=engine_dot_protos_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
-                    request_deserializer=engine_dot_protos_dot_generate__pb2.ScoreRequest.FromString,
-                    response_serializer=engine_dot_protos_dot_generate__pb2.ScoreResponse.SerializeToString,
+                    request_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.ScoreRequest.FromString,
+                    response_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.ScoreResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=engine_dot_protos_dot_generate__pb2.TokenizeRequest.FromString,
-                    response_serializer=engine_dot_protos_dot_generate__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeRequest.FromString,
+                    response_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=engine_dot_protos_dot_generate__pb2.DetokenizeRequest.FromString,
-                    response_serializer=engine_dot_protos_dot_generate__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeRequest.FromString,
+                    response_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=engine_dot_protos_dot_generate__pb2.ModelInfoRequest.FromString,
-                    response_serializer=engine_dot_protos_dot_generate__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoRequest.FromString,
+                    response_serializer=engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -152,8 +152,8 @@ class Generation:
             request,
             target,
             '/jaxspec.v1.Generation/Generate',
-            engine_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-            engine_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,8 +179,8 @@ class Generation:
             request,
             target,
             '/jaxspec.v1.Generation/Score',
-            engine_dot_protos_dot_generate__pb2.ScoreRequest.SerializeToString,
-            engine_dot_protos_dot_generate__pb2.ScoreResponse.FromString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.ScoreRequest.SerializeToString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -206,8 +206,8 @@ class Generation:
             request,
             target,
             '/jaxspec.v1.Generation/Tokenize',
-            engine_dot_protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
-            engine_dot_protos_dot_generate__pb2.TokenizeResponse.FromString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeRequest.SerializeToString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -233,8 +233,8 @@ class Generation:
             request,
             target,
             '/jaxspec.v1.Generation/Detokenize',
-            engine_dot_protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
-            engine_dot_protos_dot_generate__pb2.DetokenizeResponse.FromString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeRequest.SerializeToString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class Generation:
             request,
             target,
             '/jaxspec.v1.Generation/ModelInfo',
-            engine_dot_protos_dot_generate__pb2.ModelInfoRequest.SerializeToString,
-            engine_dot_protos_dot_generate__pb2.ModelInfoResponse.FromString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoRequest.SerializeToString,
+            engine_dot_serving_dot_protos_dot_generate__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

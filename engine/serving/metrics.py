@@ -78,8 +78,9 @@ class Metrics:
         self.requests.labels("running").set(len(sched.running))
         self.kv_blocks_total.set(blocks.num_usable_blocks)
         self.kv_blocks_in_use.set(blocks.num_usable_blocks - blocks.num_free_blocks)
-        if engine.num_draft_tokens:
-            self.acceptance_rate.set(engine.num_accepted_tokens / engine.num_draft_tokens)
+        stats = engine.stats
+        if stats.num_draft_tokens:
+            self.acceptance_rate.set(stats.num_accepted_tokens / stats.num_draft_tokens)
 
     def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
         self.finished.labels(reason).inc()

@@ -1,7 +1,8 @@
 """The asyncio gRPC server: the `jaxspec.v1.Generation` service, gRPC health and server reflection.
 
-Handlers validate requests, tokenize, and talk to the engine through an
-`EngineWorker` (the engine runs on its own thread). A streaming `Generate`
+Handlers validate requests, tokenize (with `engine.inputs`, as the offline
+API does), and talk to the engine through an `EngineWorker` (the engine runs
+on its own thread). A streaming `Generate`
 whose call is cancelled, or whose deadline passes, aborts its request in the
 engine, which frees the request's KV blocks before the next step.
 
@@ -25,17 +26,15 @@ from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.engine import RequestOutput
-from engine.llm import LLM
-from engine.metrics import Metrics
-from engine.protos import generate_pb2 as pb
-from engine.protos import generate_pb2_grpc as pb_grpc
-from engine.worker import (
+from engine.inputs import check_token_ids, encode_prompt
+from engine.outputs import RequestOutput
+from engine.serving.metrics import Metrics
+from engine.serving.protos import generate_pb2 as pb
+from engine.serving.protos import generate_pb2_grpc as pb_grpc
+from engine.serving.worker import (
     EngineFailedError,
     EngineStoppedError,
     EngineWorker,
-    Stream,
-    cached_prompt_tokens,
 )
 from scheduler.block_manager import NoFreeBlocksError
 from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
@@ -94,7 +93,7 @@ def _chat(messages: pb.ChatMessages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in messages.messages]
 
 
-def _prompt(llm: LLM, message, oneof: str) -> list[int]:
+def _prompt(tokenizer, message, oneof: str) -> list[int]:
     """Token ids of the text / token ids / chat set in `message`'s oneof `oneof`."""
     kind = message.WhichOneof(oneof)
     if kind is None:
@@ -103,15 +102,15 @@ def _prompt(llm: LLM, message, oneof: str) -> list[int]:
     if kind == "text":
         if not message.text:
             raise _BadRequest(f"{oneof} is empty")
-        return llm.encode(message.text)
+        return encode_prompt(tokenizer, message.text)
     if kind == "token_ids":
         return list(message.token_ids.ids)
-    return _encode_chat(llm, message.chat)
+    return _encode_chat(tokenizer, message.chat)
 
 
-def _encode_chat(llm: LLM, messages: pb.ChatMessages) -> list[int]:
+def _encode_chat(tokenizer, messages: pb.ChatMessages) -> list[int]:
     try:
-        return llm.encode(_chat(messages))
+        return encode_prompt(tokenizer, _chat(messages))
     except (ValueError, jinja2.TemplateError) as e:  # no chat template, or the template refused the messages
         raise _BadRequest(f"chat: {e}") from None
 
@@ -123,7 +122,7 @@ def _logprobs(out: RequestOutput, n: int) -> list[pb.Logprobs]:
             for t, entry in zip(out.delta_token_ids, entries)]
 
 
-def response_from_output(out: RequestOutput, stream: Stream, num_logprobs: int | None) -> pb.GenerateResponse:
+def response_from_output(out: RequestOutput, num_logprobs: int | None) -> pb.GenerateResponse:
     """The streamed message for one engine output; the last one carries finish reason and usage."""
     msg = pb.GenerateResponse(request_id=out.request_id, text=out.delta_text, token_ids=out.delta_token_ids)
     if num_logprobs is not None:
@@ -131,7 +130,7 @@ def response_from_output(out: RequestOutput, stream: Stream, num_logprobs: int |
     if out.finished:
         msg.finish_reason = _FINISH_REASONS[out.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                    cached_prompt_tokens=cached_prompt_tokens(stream.request),
+                                    cached_prompt_tokens=out.num_cached_tokens,
                                     acceptance_rate=out.acceptance_rate))
     return msg
 
@@ -139,24 +138,23 @@ def response_from_output(out: RequestOutput, stream: Stream, num_logprobs: int |
 # ---- the service ---------------------------------------------------------------------------
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Implements `jaxspec.v1.Generation` over an `EngineWorker` running `llm.engine`.
+    """Implements `jaxspec.v1.Generation` over an `EngineWorker`.
 
     Args:
-      llm: the model; its tokenizer is used on the event loop, its engine only
-        through `worker`.
-      worker: the started worker that owns `llm.engine`.
+      worker: the started worker; its engine is used only through it (but for
+        ModelInfo's fields, fixed at construction).
+      tokenizer: the model's tokenizer, used on the event loop.
       model_name: reported by ModelInfo.
-      metrics: counts the Generate requests refused here (the worker counts the engine's refusals).
     """
 
-    def __init__(self, llm: LLM, worker: EngineWorker, model_name: str, metrics: Metrics | None = None):
-        self.llm = llm
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str):
         self.worker = worker
+        self.tokenizer = tokenizer
         self.model_name = model_name
-        self.metrics = metrics
+        self.metrics = worker.metrics  # counts the Generate requests refused here too
 
     def _speculation_kinds(self) -> list[str]:
-        return ["draft"] if self.llm.engine.speculation is not None else []
+        return ["draft"] if self.worker.engine.drafter is not None else []
 
     def _speculation(self, spec: pb.Speculation) -> int | None:
         """The request's `num_speculative_tokens` (None: the engine's choice); raises _BadRequest."""
@@ -178,10 +176,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             sampling = sampling_from_proto(request.sampling)
             if request.HasField("speculation"):
                 sampling = dataclasses.replace(sampling, num_speculative_tokens=self._speculation(request.speculation))
-            prompt = _prompt(self.llm, request, "prompt")
+            prompt = _prompt(self.tokenizer, request, "prompt")
         except (_BadRequest, InvalidRequestError) as e:
-            if self.metrics:
-                self.metrics.rejected.inc()
+            self.metrics.rejected.inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = self.worker.submit(prompt, sampling, priority=request.priority,
                                     request_id=request.request_id or None)
@@ -193,7 +190,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished = True  # the engine holds nothing for it any more
                     await context.abort(*_status(item))
                 finished = item.finished
-                yield response_from_output(item, stream, sampling.logprobs)
+                yield response_from_output(item, sampling.logprobs)
         finally:
             if not finished:  # cancelled, deadline passed or the client went away
                 self.worker.abort(stream.request_id)
@@ -206,7 +203,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             encoded = []
             for i, item in enumerate(request.inputs):
                 try:
-                    encoded.append(_prompt(self.llm, item, "input"))
+                    encoded.append(_prompt(self.tokenizer, item, "input"))
                 except (_BadRequest, InvalidRequestError) as e:
                     raise _BadRequest(f"inputs[{i}]: {e}") from None
             results = await self.worker.call(lambda engine: _score_all(engine, encoded))
@@ -225,7 +222,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kind = request.WhichOneof("input")
             if kind is None:
                 raise _BadRequest("input is required: set one of text, chat")
-            ids = self.llm.encode(request.text) if kind == "text" else _encode_chat(self.llm, request.chat)
+            ids = encode_prompt(self.tokenizer, request.text) if kind == "text" else _encode_chat(self.tokenizer, request.chat)
         except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -234,24 +231,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
             _check_known_fields(request)
-            V = self.llm.engine.model_config.vocab_size
-            bad = [t for t in request.token_ids if not 0 <= t < V]
-            if bad:
-                raise _BadRequest(f"token ids must be in [0, {V}); got {bad[:5]}")
-        except _BadRequest as e:
+            check_token_ids(request.token_ids, self.worker.engine.model_config.vocab_size, "token ids")
+        except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        text = self.llm.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
+        text = self.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        engine = self.llm.engine  # read-only fields fixed at construction
+        engine = self.worker.engine  # read-only fields fixed at construction
         cfg = engine.model_config
         return pb.ModelInfoResponse(
             model_name=self.model_name, max_model_len=engine.max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=engine.eos_token_ids, dtype=cfg.dtype,
             config_json=json.dumps(dataclasses.asdict(cfg), sort_keys=True),
             speculation_kinds=self._speculation_kinds(),
-            max_logprobs=MAX_LOGPROBS, has_chat_template=bool(self.llm.tokenizer.chat_template),
+            max_logprobs=MAX_LOGPROBS, has_chat_template=bool(self.tokenizer.chat_template),
             block_size=engine.config.block_size, num_blocks=engine.blocks.num_blocks,
             max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens)
 
@@ -323,19 +317,21 @@ class GenerationServer:
     """The gRPC server around one model: the Generation service, health and reflection.
 
     Args:
-      llm: the model (its engine is handed to a new `EngineWorker`).
+      worker: the worker that owns the engine (not started yet; `start()` starts it).
+      tokenizer: the model's tokenizer.
       model_name: reported by ModelInfo.
       host, port: where to listen; port 0 picks a free port (see `start()`).
       auth_token: if set, calls must carry `authorization: Bearer <token>`.
       tls: serve TLS with this certificate and key; None serves plaintext.
-      metrics: Prometheus metrics to update; None creates them (see `metrics`).
+
+    `metrics` are the worker's Prometheus metrics (served by `engine.serve`).
     """
 
-    def __init__(self, llm: LLM, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | None = None, tls: TLSConfig | None = None, metrics: Metrics | None = None):
-        self.llm = llm
-        self.metrics = metrics or Metrics()
-        self.worker = EngineWorker(llm.engine, self.metrics)
+    def __init__(self, worker: EngineWorker, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 auth_token: str | None = None, tls: TLSConfig | None = None):
+        self.worker = worker
+        self.tokenizer = tokenizer
+        self.metrics: Metrics = worker.metrics
         self.model_name = model_name
         self._address = f"{host}:{port}"
         self._auth_token = auth_token
@@ -349,7 +345,7 @@ class GenerationServer:
         interceptors = [TokenAuthInterceptor(self._auth_token)] if self._auth_token else []
         self._server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.llm, self.worker, self.model_name, self.metrics), self._server)
+            GenerationServicer(self.worker, self.tokenizer, self.model_name), self._server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),

@@ -1,0 +1,50 @@
+"""Engine limits, separate from the model's config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits, separate from the model's config.
+
+    num_blocks: KV pool size in blocks; None sizes the pool from
+      `kv_cache_bytes`.
+    max_model_len: prompt + output tokens per sequence; None means the model's
+      context limit, capped at what the pool holds.
+    enable_prefix_caching: reuse the KV of cached prompt blocks (radix tree, LRU).
+    kv_watermark: fraction of the pool kept free: cached blocks are evicted to
+      keep it on the free list, and new requests are admitted only above it.
+    swap_space_bytes: host memory for the KV of preempted sequences.
+    swap_threshold_tokens: preempted sequences at least this long are swapped
+      to host memory; shorter ones (or when swap space is full) are recomputed.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    kv_watermark: float = 0.1
+    swap_space_bytes: int = 1 << 30
+    swap_threshold_tokens: int = 256
+    # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
+    # only runs in interpret mode, an emulator several times slower).
+    attention: str = "auto"  # or "pallas" / "reference"
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.attention not in ("auto", "reference", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.kv_watermark < 1:
+            raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
+        if self.swap_space_bytes < 0 or self.swap_threshold_tokens < 0:
+            raise ValueError("swap_space_bytes and swap_threshold_tokens must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (or None for the model's limit), got {self.max_model_len}")

@@ -1,0 +1,47 @@
+"""Command-line flags shared by the apps (`engine.generate`, `engine.serve`, the batch job, load tests).
+
+Importing this module defines the model, engine and speculation flags once;
+`llm_from_flags()` builds the `LLM` they describe. Each app defines only its
+own flags besides these.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+
+# Model.
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
+                  "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
+# Speculative decoding.
+flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
+                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
+flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
+flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
+# Engine limits (`engine.EngineConfig`).
+flags.DEFINE_integer("block_size", 16, "KV block size in tokens (a power of two).")
+flags.DEFINE_integer("num_blocks", None, "KV pool size in blocks; default: sized from --kv_cache_bytes.")
+flags.DEFINE_integer("kv_cache_bytes", 1 << 30, "KV pool bytes when --num_blocks is not set.")
+flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
+flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
+flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
+                     "(capped by the KV pool).")
+
+
+def llm_from_flags():
+    """The `engine.LLM` the flags describe.
+
+    Raises ValueError, KeyError or FileNotFoundError for an unknown model or
+    draft, or bad engine limits (the apps print these and exit 2).
+    """
+    from engine import LLM  # after flag parsing: the jax import is slow
+
+    return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
+               speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
+               draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
+               block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
+               max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+               max_model_len=FLAGS.max_model_len)

@@ -1,0 +1,277 @@
+"""The model runner: the engine's device side.
+
+It owns what lives on the device (the target's graph and weights, the KV
+pools, the compiled step programs) and the set of shapes they are compiled
+for. The engine loop hands it a `StepPlan` from the scheduler; the runner
+packs it into a padded bucket, runs the one step program, and makes the
+step's one device-to-host read. It never sees a request's bookkeeping beyond
+what `pack` reads (tokens, block ids, sampling settings).
+
+With a draft model (`engine.drafter.Drafter`), the draft's KV pool sits
+beside the target's in `pools`: the same block tables index both, so a
+block operation (copy-on-write, swap) applies to every pool at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from engine.config import EngineConfig
+from engine.drafter import Drafter
+from engine.scoring import make_score_step
+from engine.speculative import SpecBatch, make_spec_step
+from engine.step import KVPool, Sampled, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
+from model.config import ModelConfig
+from model.llama import Llama
+from pallas_kernels.reference import ragged_paged_attention_reference
+from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import ScheduledSeq, StepPlan
+
+PHASES = ("schedule", "block_ops", "pack", "to_device", "device", "update")
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """One engine step: the program it ran and its wall seconds by phase.
+
+    `device` runs from dispatching the step program to its outputs being on
+    the host (the XLA computation plus the read back); every other phase is
+    host work. `update` appends tokens, detokenizes and builds the outputs.
+    """
+
+    num_tokens: int = 0  # token bucket T (0: nothing ran)
+    num_seqs: int = 0  # sequence bucket S
+    spec_k: int | None = None  # None: target only; 0: the draft keeps its KV; K: draft + verify
+    schedule: float = 0.0
+    block_ops: float = 0.0
+    pack: float = 0.0
+    to_device: float = 0.0
+    device: float = 0.0
+    update: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, p) for p in PHASES)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals over an engine's life: steps that ran a program, draft tokens, seconds per phase."""
+
+    num_steps: int = 0
+    num_draft_tokens: int = 0  # proposed by the draft, all requests
+    num_accepted_tokens: int = 0
+    seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, timing: StepTiming) -> None:
+        for p in PHASES:
+            self.seconds[p] += getattr(timing, p)
+
+    @property
+    def device_seconds(self) -> float:
+        return self.seconds["device"]
+
+    @property
+    def host_seconds(self) -> float:
+        return sum(self.seconds.values()) - self.seconds["device"]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """A step's results on the host.
+
+    tokens: int32 `[S, K+1]`, row `s` emits `tokens[s, :num_emitted[s]]`.
+    num_emitted: int32 `[S]`.
+    sampled: log-probabilities of each slot as a host `Sampled` with
+      `[S, K+1]` leading dims, or None when no request asked for them.
+    """
+
+    tokens: np.ndarray
+    num_emitted: np.ndarray
+    sampled: Sampled | None
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    """Bytes of one KV block over all of `cfg`'s layers (K and V)."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def resolve_attention(name: str) -> Callable:
+    """The paged attention function for `EngineConfig.attention`.
+
+    "auto" is the Pallas kernel on GPU and the jnp reference on CPU, where
+    Pallas only runs in interpret mode (an emulator several times slower).
+    """
+    if name == "auto":
+        name = "reference" if jax.default_backend() == "cpu" else "pallas"
+    if name == "pallas":
+        from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+        return ragged_paged_attention
+    return ragged_paged_attention_reference
+
+
+class ModelRunner:
+    """The device state and programs of one engine.
+
+    Args:
+      model: a `checkpoints.LoadedModel` (the target).
+      config: engine limits (block size, buckets, attention).
+      num_blocks: KV pool size in blocks (block 0 is reserved for padding).
+      max_blocks_per_seq: block-table width.
+      drafter: the draft model, for speculative steps (None: none).
+    """
+
+    def __init__(self, model, config: EngineConfig, num_blocks: int, max_blocks_per_seq: int,
+                 drafter: Drafter | None = None):
+        cfg = model.config
+        self.model_config = cfg
+        self.config = config
+        self.drafter = drafter
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.graphdef, self.state = nnx.split(Llama(cfg, params=model.params))
+        B = config.block_size
+        self.pools: tuple[KVPool, ...] = tuple(
+            KVPool.zeros(c, num_blocks, B) for c in [cfg] + ([drafter.model_config] if drafter else []))
+        # The compiled shapes: every program is specialised to one of these.
+        self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
+        self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
+        self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, max_blocks_per_seq))
+        self._attention = resolve_attention(config.attention)
+        self._step = make_step(self.graphdef, self._attention)
+        self._score_step = make_score_step(self.graphdef, self._attention)
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (token bucket, sequence bucket) shape the step can be compiled for."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+
+    @property
+    def spec_ks(self) -> list[int | None]:
+        """The step programs per shape: target only, and with a draft K = 0 and each ladder K."""
+        return [None] if self.drafter is None else [None, 0, *self.drafter.config.ladder]
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def pack(self, plan: StepPlan, seeds: dict[str, int], spec_k: int | None = None) -> PackedBatch:
+        """`plan` padded into its bucket (see `scheduler.packing.pack`)."""
+        return pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets, self.seq_buckets,
+                    seeds, spec_k)
+
+    def padding_batch(self, T: int, S: int, spec_k: int | None = None) -> PackedBatch:
+        """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
+        return pack(StepPlan([], []), 1, self.max_blocks_per_seq, (T,), (S,), {}, spec_k)
+
+    def execute(self, batch: StepBatch, spec: SpecBatch | None,
+                spec_k: int | None) -> tuple[Sampled, jax.Array | None]:
+        """Runs the step program on device inputs; returns device `(sampled, num_emitted int32 [S])`.
+
+        `spec_k` None runs the target alone (num_emitted is None: one token
+        per row); otherwise the draft + verify program for that K
+        (`engine.speculative.make_spec_step`). The pools are donated and replaced.
+        """
+        if spec_k is None:
+            sampled, pool = self._step(self.state, self.pools[0], batch)
+            self.pools = (pool, *self.pools[1:])
+            return sampled, None
+        step = make_spec_step(self.graphdef, self.drafter.graphdef, self._attention, spec_k)
+        sampled, num_emitted, *pools = step(self.state, self.drafter.state, *self.pools, batch, spec)
+        self.pools = tuple(pools)
+        return sampled, num_emitted
+
+    def run(self, packed: PackedBatch, spec_k: int | None, timing: StepTiming | None = None) -> StepOutput:
+        """Copies `packed` to the device, runs the step program and makes the step's one read back.
+
+        Fills `timing`'s shape, `to_device` and `device` fields if given.
+        """
+        t0 = time.perf_counter()
+        batch = StepBatch.from_packed(packed)
+        spec = SpecBatch.from_packed(packed.spec) if spec_k is not None else None
+        t1 = time.perf_counter()
+        sampled, num_emitted = self.execute(batch, spec, spec_k)
+        S = packed.seq_lens.shape[0]
+        if num_emitted is None:
+            num_emitted = np.ones(S, np.int32)
+        if not packed.want_logprobs.any():
+            tokens, num_emitted = jax.device_get((sampled.tokens, num_emitted))
+            out = StepOutput(tokens.reshape(S, -1), num_emitted, None)
+        else:
+            sampled, num_emitted = jax.device_get((sampled, num_emitted))
+            sampled = jax.tree.map(lambda x: x.reshape(S, -1, *x.shape[1:]), sampled)
+            out = StepOutput(sampled.tokens, num_emitted, sampled)
+        if timing is not None:
+            timing.num_tokens, timing.num_seqs, timing.spec_k = packed.token_ids.shape[0], S, spec_k
+            timing.to_device, timing.device = t1 - t0, time.perf_counter() - t1
+        return out
+
+    # ---- block operations -----------------------------------------------------------------
+
+    def apply_block_ops(self, plan: StepPlan) -> None:
+        """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
+        for request, blocks in plan.swap_out:
+            kv = gather_blocks(self.pools, self._block_ids(blocks))
+            request.swapped_kv = jax.tree.map(lambda x: np.asarray(x)[:, :len(blocks)], kv)
+        for request, blocks in plan.swap_in:
+            kv, request.swapped_kv = request.swapped_kv, None
+            ids = self._block_ids(blocks)
+            pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
+            self.pools = scatter_blocks(self.pools, ids, jax.tree.map(lambda x: np.pad(x, pad), kv))
+        if plan.copies:
+            src = self._block_ids([c.src for c in plan.copies])
+            dst = self._block_ids([c.dst for c in plan.copies])
+            self.pools = copy_blocks(self.pools, src, dst)
+
+    def _block_ids(self, blocks) -> np.ndarray:
+        """Block ids padded with the reserved block 0 to a block-op bucket."""
+        ids = np.zeros(bucket_for(len(blocks), self.block_op_buckets), np.int32)
+        ids[:len(blocks)] = blocks
+        return ids
+
+    # ---- scoring --------------------------------------------------------------------------
+
+    def score(self, token_ids: list[int], allocation) -> np.ndarray:
+        """Log-probabilities float32 `[n - 1]` of `token_ids[1:]`, each given the tokens before it.
+
+        Teacher forcing through the paged forward in chunks of at most the
+        token budget; the KV goes into `allocation` (the block manager's, for
+        `n - 1` tokens), which the caller frees. Compiles once per token
+        bucket on first use.
+        """
+        n = len(token_ids)
+        # A request object only to reuse `pack`; it never enters the scheduler.
+        request = Request(token_ids, SamplingParams(), request_id="score", allocation=allocation)
+        budget = self.config.max_num_batched_tokens
+        out = np.empty(n - 1, np.float32)
+        for start in range(0, n - 1, budget):
+            m = min(budget, n - 1 - start)  # the last token is only a target
+            packed = self.pack(StepPlan([ScheduledSeq(request, start, m, sample=False)], []), {"score": 0})
+            targets = np.zeros(bucket_for(m, self.token_buckets), np.int32)
+            targets[:m] = token_ids[start + 1:start + 1 + m]
+            logprobs, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
+            self.pools = (pool, *self.pools[1:])
+            out[start:start + m] = np.asarray(logprobs)[:m]
+        return out
+
+    # ---- compilation ----------------------------------------------------------------------
+
+    def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
+        """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count.
+
+        With the default, the block-op programs (copy-on-write and swap) are compiled too.
+        """
+        for T, S in buckets or self.buckets:
+            for K in self.spec_ks:
+                self.run(self.padding_batch(T, S, K), K)
+        if buckets is None:
+            for n in self.block_op_buckets:
+                ids = np.zeros(n, np.int32)
+                self.pools = copy_blocks(self.pools, ids, ids)
+                self.pools = scatter_blocks(self.pools, ids, gather_blocks(self.pools, ids))
+        jax.block_until_ready(self.pools)
+        return len(buckets or self.buckets)

@@ -1,0 +1,1 @@
+"""Training apps: draft distillation from the target (data generation, soft targets, training, held-out eval)."""
