@@ -153,6 +153,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests (and samples of n > 1 requests) the engine keeps state for: added and not yet finished."""
+        return len(self._states)
+
     def _track(self, request: Request, seed: int, logprobs: list | None) -> None:
         self._states[request.request_id] = RequestState(
             request, Detokenizer(self.tokenizer, request.sampling.stop), seed, logprobs)

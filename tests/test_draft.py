@@ -80,3 +80,16 @@ def test_simulated_speculation_counts():
     assert simulate_greedy([True, True, False, True, True, True, True], 3) == (5, 6, 2)
 
 
+
+
+@pytest.mark.parametrize("cfg", [load_model("tiny-llama").config, load_model("tiny-qwen2").config,
+                                 TINY_DRAFT.replace(head_vocab_size=40, tie_word_embeddings=False)],
+                         ids=["llama", "qwen2-bias", "untied-partial-head"])
+def test_to_params_inverts_the_fused_layout(cfg):
+    params = random_params(cfg, seed=5)
+    if cfg.head_vocab_size:
+        params["head_ids"] = np.arange(0, 2 * cfg.head_vocab_size, 2, dtype=np.int32)
+    back = Llama(cfg, params=params).to_params()
+    assert sorted(back) == sorted(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)

@@ -227,7 +227,8 @@ def _with_unknown_fields() -> bytes:
 
 
 def test_bad_requests_fail_clearly_while_a_good_one_completes(server, llm):
-    greedy = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    # Long enough to outlast the bad requests' round trips on a busy machine.
+    greedy = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
 
     async def scenario():
         async with AsyncClient(server.target, auth_token=TOKEN) as c:
@@ -279,7 +280,7 @@ def _slow_steps(llm, seconds: float):
 def _wait_until_idle(server, free: int, timeout: float = 10) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        state = server.on_engine(lambda e: (e.blocks.num_free_blocks, e.has_unfinished(), len(e._requests)))
+        state = server.on_engine(lambda e: (e.blocks.num_free_blocks, e.has_unfinished(), e.num_requests))
         if state == (free, False, 0):
             return True
         time.sleep(0.02)
