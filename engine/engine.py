@@ -16,6 +16,8 @@ import secrets
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from engine.compilation import compilation_count
 from engine.config import EngineConfig
 from engine.drafter import Drafter, SpeculationConfig
@@ -30,6 +32,19 @@ from scheduler.scheduler import Scheduler, SchedulerConfig, StepPlan
 from scheduler.util import cdiv
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class ScoreJob:
+    """A sequence being scored chunk by chunk (`Engine.start_score`), holding KV blocks until `end_score`."""
+
+    token_ids: list[int]
+    allocation: object  # the block manager's, for len(token_ids) - 1 tokens; None once freed
+    logprobs: np.ndarray  # float32 [n - 1], filled up to num_scored
+    num_scored: int = 0
+
+    def output(self) -> ScoreOutput:
+        return ScoreOutput(self.token_ids, self.logprobs.tolist())
 
 
 @dataclasses.dataclass(eq=False)
@@ -271,22 +286,44 @@ class Engine:
         """Log-probabilities of `token_ids[1:]`, each given the tokens before it (see `ScoreOutput`).
 
         Runs between steps (same thread as `step`) in blocks borrowed from the
-        pool for the call; requests in flight are unaffected.
+        pool for the call; requests in flight are unaffected. To interleave a
+        long sequence with decode steps, run its chunks yourself
+        (`start_score`, `score_chunk`, `end_score`), as the gRPC worker does.
         Raises:
           InvalidRequestError: empty, longer than `max_model_len`, or ids outside [0, V).
           scheduler.block_manager.NoFreeBlocksError: too few free KV blocks right now.
         """
+        job = self.start_score(token_ids)
+        try:
+            while not self.score_chunk(job):
+                pass
+            return job.output()
+        finally:
+            self.end_score(job)
+
+    def start_score(self, token_ids: list[int]) -> ScoreJob:
+        """Validates a sequence to score and takes KV blocks for it; raises as `score` does."""
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("text to score is empty")
         if n > self.max_model_len:
             raise InvalidRequestError(f"text to score has {n} tokens; the context limit is {self.max_model_len}")
         ids = check_token_ids(token_ids, self.model_config.vocab_size, "token ids")
-        allocation = self.blocks.allocate(None, n - 1)
-        try:
-            return ScoreOutput(ids, self.runner.score(ids, allocation).tolist())
-        finally:
-            self.blocks.free(allocation)
+        return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32))
+
+    def score_chunk(self, job: ScoreJob) -> bool:
+        """Scores the job's next chunk (at most the token budget); returns True once all of it is scored."""
+        if job.num_scored < len(job.logprobs):
+            out = self.runner.score_chunk(job.token_ids, job.allocation, job.num_scored)
+            job.logprobs[job.num_scored:job.num_scored + len(out)] = out
+            job.num_scored += len(out)
+        return job.num_scored == len(job.logprobs)
+
+    def end_score(self, job: ScoreJob) -> None:
+        """Returns the job's KV blocks (done or abandoned); idempotent."""
+        if job.allocation is not None:
+            self.blocks.free(job.allocation)
+            job.allocation = None
 
     # ---- compilation ----------------------------------------------------------------------
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -106,7 +109,9 @@ class LLM:
                 first[self.engine.add_request(ids, sp).request_id] = slot
                 slot += sp.n
             while any(r is None or not r.finished for r in results):
-                for out in self.engine.step():
+                with _interrupts_between_steps():
+                    outs = self.engine.step()
+                for out in outs:
                     if out.request_id not in first:
                         continue  # another caller's request
                     i = first[out.request_id] + out.index
@@ -132,6 +137,9 @@ class LLM:
         if isinstance(texts, (str, np.ndarray)) or (
                 isinstance(texts, (list, tuple)) and texts and isinstance(texts[0], (int, np.integer))):
             texts = [texts]
+        if not isinstance(texts, (list, tuple)):
+            raise InvalidRequestError(f"texts must be a text, a list of token ids or a list of those, "
+                                      f"got {type(texts).__name__}")
         outputs = []
         for i, text in enumerate(texts):
             try:
@@ -139,3 +147,25 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"text {i}: {e}") from None
         return outputs
+
+
+@contextlib.contextmanager
+def _interrupts_between_steps():
+    """Holds a Ctrl-C (SIGINT) that arrives during an engine step until the step is over.
+
+    An interrupt inside XLA compilation or a donated step can leave the
+    runtime in a state where the next step crashes the process (seen after
+    Ctrl-C during compilation); raised between steps, it leaves the engine
+    consistent. Only the main thread receives signals; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt

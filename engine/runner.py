@@ -235,28 +235,24 @@ class ModelRunner:
 
     # ---- scoring --------------------------------------------------------------------------
 
-    def score(self, token_ids: list[int], allocation) -> np.ndarray:
-        """Log-probabilities float32 `[n - 1]` of `token_ids[1:]`, each given the tokens before it.
+    def score_chunk(self, token_ids: list[int], allocation, start: int) -> np.ndarray:
+        """Log-probabilities float32 `[m]` of `token_ids[start + 1:start + 1 + m]`, each given the tokens
+        before it, with m = min(token budget, len(token_ids) - 1 - start).
 
-        Teacher forcing through the paged forward in chunks of at most the
-        token budget; the KV goes into `allocation` (the block manager's, for
-        `n - 1` tokens), which the caller frees. Compiles once per token
-        bucket on first use.
+        Teacher forcing through the paged forward: the chunk's KV goes into
+        `allocation` (the block manager's, for `len(token_ids) - 1` tokens;
+        the caller frees it) after the KV of the chunks before it. Compiles
+        once per token bucket on first use.
         """
-        n = len(token_ids)
+        m = min(self.config.max_num_batched_tokens, len(token_ids) - 1 - start)  # the last token is only a target
         # A request object only to reuse `pack`; it never enters the scheduler.
         request = Request(token_ids, SamplingParams(), request_id="score", allocation=allocation)
-        budget = self.config.max_num_batched_tokens
-        out = np.empty(n - 1, np.float32)
-        for start in range(0, n - 1, budget):
-            m = min(budget, n - 1 - start)  # the last token is only a target
-            packed = self.pack(StepPlan([ScheduledSeq(request, start, m, sample=False)], []), {"score": 0})
-            targets = np.zeros(bucket_for(m, self.token_buckets), np.int32)
-            targets[:m] = token_ids[start + 1:start + 1 + m]
-            logprobs, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
-            self.pools = (pool, *self.pools[1:])
-            out[start:start + m] = np.asarray(logprobs)[:m]
-        return out
+        packed = self.pack(StepPlan([ScheduledSeq(request, start, m, sample=False)], []), {"score": 0})
+        targets = np.zeros(bucket_for(m, self.token_buckets), np.int32)
+        targets[:m] = token_ids[start + 1:start + 1 + m]
+        logprobs, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
+        self.pools = (pool, *self.pools[1:])
+        return np.asarray(logprobs)[:m]
 
     # ---- compilation ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 
 from absl import app, flags, logging
 
@@ -24,10 +25,15 @@ flags.DEFINE_integer("metrics_port", 9464, "Prometheus /metrics HTTP port on --h
                      "-1 disables.")
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain; serve TLS (needs --tls_key).")
 flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
-flags.DEFINE_string("auth_token_file", None, "File holding a shared token; calls must then send metadata "
-                    "'authorization: Bearer <token>' (health checks are exempt).")
+flags.DEFINE_string("auth_token_file", None, "Token file: 'tenant token' lines (or one lone token, tenant "
+                    "'default'); calls must then send metadata 'authorization: Bearer <token>' (health checks "
+                    "are exempt), /metrics the same header. Tenants never share prefix-cache entries.")
+flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request message (text, chat, token ids), in bytes.")
+flags.DEFINE_integer("max_score_inputs", 64, "Most sequences in one Score call.")
+flags.DEFINE_integer("max_score_tokens", 1 << 16, "Most tokens over all sequences of one Score call.")
 flags.DEFINE_float("grace_s", 10.0, "On SIGTERM, seconds calls in flight get to finish before they are aborted.")
-flags.DEFINE_bool("precompile", False, "Compile every step bucket before serving (slow on CPU).")
+flags.DEFINE_bool("precompile", True, "Compile every step shape before serving, so no call waits for a "
+                  "compilation (takes minutes on CPU for the real model; --noprecompile skips it).")
 
 
 def _read(path: str) -> bytes:
@@ -38,13 +44,17 @@ def _read(path: str) -> bytes:
 async def _serve(server) -> None:
     """Runs `server` (an `engine.serving.server.GenerationServer`) until SIGTERM or SIGINT."""
     port = await server.start()
-    http = server.metrics.serve(FLAGS.metrics_port, FLAGS.host) if FLAGS.metrics_port >= 0 else None
+    http = None
+    if FLAGS.metrics_port >= 0:
+        http = server.metrics.serve(FLAGS.metrics_port, FLAGS.host, certfile=FLAGS.tls_cert, keyfile=FLAGS.tls_key,
+                                    tenants=server.tenants)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(f"serving {FLAGS.model} on {FLAGS.host}:{port}"
-          + (f", metrics on http://{FLAGS.host}:{http.server_port}/metrics" if http else ""), flush=True)
+          + (f", metrics on {'https' if FLAGS.tls_cert else 'http'}://{FLAGS.host}:{http.server_port}/metrics"
+             if http else ""), flush=True)
     await stop.wait()
     print(f"shutting down (grace {FLAGS.grace_s:g} s)", flush=True)
     await server.stop(FLAGS.grace_s)
@@ -58,24 +68,28 @@ def main(argv):
     if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
         raise app.UsageError("--tls_cert and --tls_key go together")
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
-    from engine.serving.server import GenerationServer, TLSConfig
+    from engine.serving.server import GenerationServer, ServingLimits, Tenants, TLSConfig
     from engine.serving.worker import EngineWorker
 
-    auth_token = None
+    tenants = None
     if FLAGS.auth_token_file:
-        auth_token = _read(FLAGS.auth_token_file).decode().strip()
-        if not auth_token:
-            raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file} is empty")
+        try:
+            tenants = Tenants.parse(_read(FLAGS.auth_token_file).decode())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file}: {e}")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
     try:
+        limits = ServingLimits(FLAGS.max_request_bytes, FLAGS.max_score_inputs, FLAGS.max_score_tokens)
         llm = llm_from_flags()
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     if FLAGS.precompile:
-        print(f"precompiled {llm.engine.precompile()} step shapes", flush=True)
+        t = time.perf_counter()
+        n = llm.engine.precompile()
+        print(f"precompiled {n} step shapes in {time.perf_counter() - t:.1f} s", flush=True)
     asyncio.run(_serve(GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model,
-                                        host=FLAGS.host, port=FLAGS.port, auth_token=auth_token, tls=tls)))
+                                        host=FLAGS.host, port=FLAGS.port, tenants=tenants, tls=tls, limits=limits)))
     return 0
 
 

@@ -27,17 +27,21 @@ from engine.serving.protos import generate_pb2_grpc as pb_grpc
 
 # A prompt: text, token ids, or chat messages [{"role": ..., "content": ...}].
 Prompt = str | Sequence[int] | Sequence[dict]
-FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
-def generate_request(prompt: Prompt, *, priority: int = 0, request_id: str = "", speculation: bool | None = None,
-                     num_speculative_tokens: int = 0, **sampling) -> pb.GenerateRequest:
+def generate_request(prompt: Prompt, *, priority: int = 0, request_id: str = "", cache_salt: str = "",
+                     speculation: bool | None = None, num_speculative_tokens: int = 0,
+                     **sampling) -> pb.GenerateRequest:
     """Builds a GenerateRequest; raises TypeError for an unknown sampling keyword or prompt type.
 
+    `request_id`: a label the responses echo. `cache_salt`: share prefix-cache
+    entries only with requests of the same salt (within the caller's tenant).
     `speculation`: None leaves it to the server; False turns it off; True asks
     for it (at most `num_speculative_tokens` draft tokens per step, 0 = the server's K).
     """
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), priority=priority, request_id=request_id)
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), priority=priority, request_id=request_id,
+                                 cache_salt=cache_salt)
     if speculation is not None:
         request.speculation.CopyFrom(pb.Speculation(enabled=speculation, num_speculative_tokens=num_speculative_tokens))
     if isinstance(prompt, str):

@@ -10,8 +10,11 @@ counters; `engine_generation_tokens_per_second` is a convenience over the last
 from __future__ import annotations
 
 import collections
+import socketserver
+import ssl
 import threading
 import time
+import wsgiref.simple_server
 
 import prometheus_client as prom
 
@@ -99,10 +102,41 @@ class Metrics:
         with self._lock:
             return sum(n for t, n in self._window if t >= now - TOKENS_PER_SECOND_WINDOW_S) / TOKENS_PER_SECOND_WINDOW_S
 
-    def serve(self, port: int, host: str = "127.0.0.1"):
+    def serve(self, port: int, host: str = "127.0.0.1", *, certfile: str | None = None, keyfile: str | None = None,
+              tenants=None):
         """Serves `/metrics` over HTTP on a daemon thread; port 0 picks a free one.
 
-        Returns the `http.server` server (its `server_port`; `shutdown()` stops it).
+        With `certfile`/`keyfile` (PEM paths) it serves HTTPS; with `tenants`
+        (`engine.serving.auth.Tenants`) a request needs one of their bearer
+        tokens (else 401), as the gRPC service does. Returns the server (its
+        `server_port`; `shutdown()` stops it).
         """
-        server, _ = prom.start_http_server(port, addr=host, registry=self.registry)
+        app = prom.make_wsgi_app(self.registry)
+        if tenants is not None:
+            app = _bearer_required(app, tenants)
+        server = wsgiref.simple_server.make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+        if certfile:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(certfile, keyfile)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
+    def log_message(self, *_):  # no access log on stderr
+        pass
+
+
+def _bearer_required(app, tenants):
+    def guarded(environ, start_response):
+        if tenants.tenant_of([("authorization", environ.get("HTTP_AUTHORIZATION", ""))]) is None:
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong auth token: send 'Authorization: Bearer <token>'\n"]
+        return app(environ, start_response)
+
+    return guarded

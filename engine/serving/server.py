@@ -1,53 +1,107 @@
 """The asyncio gRPC server: the `jaxspec.v1.Generation` service, gRPC health and server reflection.
 
 Handlers validate requests, tokenize (with `engine.inputs`, as the offline
-API does), and talk to the engine through an `EngineWorker` (the engine runs
-on its own thread). A streaming `Generate`
-whose call is cancelled, or whose deadline passes, aborts its request in the
-engine, which frees the request's KV blocks before the next step.
+API does, on worker threads so that a large text never stalls the event
+loop), and talk to the engine through an `EngineWorker` (the engine runs on
+its own thread). A streaming `Generate` whose call is cancelled, or whose
+deadline passes, aborts its request in the engine, which frees the
+request's KV blocks before the next step; a cancelled `Score` is dropped
+before its next chunk.
+
+Requests are isolated by tenant (`engine.serving.auth`): the prefix cache is
+salted with the caller's tenant, and a client's `request_id` is only a label
+echoed back, never a handle on a request.
 
 Status codes: INVALID_ARGUMENT for bad requests (the message names the field),
-UNAUTHENTICATED for a missing or wrong token, RESOURCE_EXHAUSTED when scoring
-finds too few free KV blocks, UNAVAILABLE during shutdown, INTERNAL when an
-engine step fails.
+including requests over the size limits (`ServingLimits`) and messages that
+do not parse; UNAUTHENTICATED for a missing or wrong token;
+RESOURCE_EXHAUSTED when scoring finds too few free KV blocks; UNAVAILABLE for
+a Score during shutdown (a Generate then ends with FINISH_REASON_ABORT);
+INTERNAL when an engine step fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 
 import grpc
 import jinja2
+from google.protobuf import message as protobuf_message
 from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.inputs import check_token_ids, encode_prompt
 from engine.outputs import RequestOutput
+from engine.serving.auth import DEFAULT_TENANT, Tenants, TLSConfig, TokenAuthInterceptor
 from engine.serving.metrics import Metrics
 from engine.serving.protos import generate_pb2 as pb
-from engine.serving.protos import generate_pb2_grpc as pb_grpc
-from engine.serving.worker import (
-    EngineFailedError,
-    EngineStoppedError,
-    EngineWorker,
-)
+from engine.serving.worker import EngineFailedError, EngineStoppedError, EngineWorker
 from scheduler.block_manager import NoFreeBlocksError
 from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs")
+MAX_REQUEST_ID_CHARS = 256
+# After the grace period of a shutdown, the time calls get to send their last (abort) message.
+_FINAL_MESSAGE_S = 2.0
+
+__all__ = ["GenerationServer", "GenerationServicer", "ServingLimits", "TLSConfig", "Tenants"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingLimits:
+    """Per-call limits, checked before any work (INVALID_ARGUMENT).
+
+    max_request_bytes: serialized size of one request message (text, chat,
+      token ids); gRPC's own receive limit is set at 4x this (at least 8
+      MiB), so a larger message still gets this server's error, and one
+      past gRPC's limit RESOURCE_EXHAUSTED from gRPC.
+    max_score_inputs: sequences in one Score call.
+    max_score_tokens: tokens over all sequences of one Score call.
+    """
+
+    max_request_bytes: int = 1 << 20
+    max_score_inputs: int = 64
+    max_score_tokens: int = 1 << 16
+
+    def __post_init__(self):
+        if min(self.max_request_bytes, self.max_score_inputs, self.max_score_tokens) < 1:
+            raise ValueError("serving limits must be >= 1")
 
 
 class _BadRequest(Exception):
     """A request that fails validation in the handler (INVALID_ARGUMENT)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Undecodable:
+    """Stands in for a request message whose bytes did not parse, so the handler can refuse it clearly."""
+
+    type_name: str
+    error: str
+    size: int
+
+    def ByteSize(self) -> int:  # noqa: N802 -- the protobuf method name
+        return self.size
+
+
+def _lenient(message_type):
+    """A request deserializer that returns `_Undecodable` instead of raising (gRPC would answer UNKNOWN)."""
+
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except protobuf_message.DecodeError as e:
+            return _Undecodable(message_type.DESCRIPTOR.name, str(e) or "malformed", len(data))
+
+    return parse
 
 
 # ---- request conversion --------------------------------------------------------------------
@@ -65,7 +119,12 @@ def unknown_field_paths(message, prefix: str = "") -> list[str]:
     return found
 
 
-def _check_known_fields(message) -> None:
+def _check_request(message) -> None:
+    """Raises _BadRequest for a message that did not parse (e.g. invalid UTF-8 in a string) or that
+    carries fields this server's .proto does not define."""
+    if isinstance(message, _Undecodable):
+        raise _BadRequest(f"the request is not a valid {message.type_name} message ({message.error}); "
+                          "string fields must be valid UTF-8")
     unknown = unknown_field_paths(message)
     if unknown:
         raise _BadRequest(f"unknown fields {', '.join(unknown)}: the client's .proto is newer than this "
@@ -122,36 +181,53 @@ def _logprobs(out: RequestOutput, n: int) -> list[pb.Logprobs]:
             for t, entry in zip(out.delta_token_ids, entries)]
 
 
-def response_from_output(out: RequestOutput, num_logprobs: int | None) -> pb.GenerateResponse:
+def response_from_output(out: RequestOutput, request_id: str, num_logprobs: int | None) -> pb.GenerateResponse:
     """The streamed message for one engine output; the last one carries finish reason and usage."""
-    msg = pb.GenerateResponse(request_id=out.request_id, text=out.delta_text, token_ids=out.delta_token_ids)
+    msg = pb.GenerateResponse(request_id=request_id, text=out.delta_text, token_ids=out.delta_token_ids)
     if num_logprobs is not None:
         msg.logprobs.extend(_logprobs(out, num_logprobs))
     if out.finished:
         msg.finish_reason = _FINISH_REASONS[out.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                    cached_prompt_tokens=out.num_cached_tokens,
-                                    acceptance_rate=out.acceptance_rate))
+                                    cached_prompt_tokens=out.num_cached_tokens, acceptance_rate=out.acceptance_rate))
     return msg
 
 
 # ---- the service ---------------------------------------------------------------------------
 
-class GenerationServicer(pb_grpc.GenerationServicer):
+class GenerationServicer:
     """Implements `jaxspec.v1.Generation` over an `EngineWorker`.
 
     Args:
       worker: the started worker; its engine is used only through it (but for
         ModelInfo's fields, fixed at construction).
-      tokenizer: the model's tokenizer, used on the event loop.
+      tokenizer: the model's tokenizer, used on worker threads.
       model_name: reported by ModelInfo.
+      limits: per-call limits.
+      tenants: the tokens and their tenants (None: every caller is tenant "default").
     """
 
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str):
+    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, limits: ServingLimits = ServingLimits(),
+                 tenants: Tenants | None = None):
         self.worker = worker
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.limits = limits
+        self.tenants = tenants
         self.metrics = worker.metrics  # counts the Generate requests refused here too
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        if self.tenants is None:
+            return DEFAULT_TENANT
+        return self.tenants.tenant_of(context.invocation_metadata()) or DEFAULT_TENANT  # the interceptor checked
+
+    def _check(self, request) -> None:
+        """The size limit first (before any work), then parse errors and unknown fields."""
+        size = request.ByteSize()
+        if size > self.limits.max_request_bytes:
+            raise _BadRequest(f"the request is {size} bytes; this server takes at most "
+                              f"{self.limits.max_request_bytes} (--max_request_bytes)")
+        _check_request(request)
 
     def _speculation_kinds(self) -> list[str]:
         return ["draft"] if self.worker.engine.drafter is not None else []
@@ -172,16 +248,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            _check_known_fields(request)
+            self._check(request)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise _BadRequest(f"request_id has {len(request.request_id)} characters; at most "
+                                  f"{MAX_REQUEST_ID_CHARS}")
             sampling = sampling_from_proto(request.sampling)
             if request.HasField("speculation"):
                 sampling = dataclasses.replace(sampling, num_speculative_tokens=self._speculation(request.speculation))
-            prompt = _prompt(self.tokenizer, request, "prompt")
+            prompt = await asyncio.to_thread(_prompt, self.tokenizer, request, "prompt")
         except (_BadRequest, InvalidRequestError) as e:
             self.metrics.rejected.inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = self.worker.submit(prompt, sampling, priority=request.priority,
-                                    request_id=request.request_id or None)
+        salt = f"{self._tenant(context)}\x00{request.cache_salt}"
+        stream = self.worker.submit(prompt, sampling, priority=request.priority, cache_salt=salt)
+        label = request.request_id or stream.request_id
         finished = False
         try:
             while not finished:
@@ -190,39 +270,56 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     finished = True  # the engine holds nothing for it any more
                     await context.abort(*_status(item))
                 finished = item.finished
-                yield response_from_output(item, sampling.logprobs)
+                yield response_from_output(item, label, sampling.logprobs)
         finally:
             if not finished:  # cancelled, deadline passed or the client went away
-                self.worker.abort(stream.request_id)
+                self.worker.abort(stream)
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        limits = self.limits
         try:
-            _check_known_fields(request)
+            self._check(request)
             if not request.inputs:
                 raise _BadRequest("inputs is empty: give at least one text or token id list to score")
-            encoded = []
-            for i, item in enumerate(request.inputs):
-                try:
-                    encoded.append(_prompt(self.tokenizer, item, "input"))
-                except (_BadRequest, InvalidRequestError) as e:
-                    raise _BadRequest(f"inputs[{i}]: {e}") from None
-            results = await self.worker.call(lambda engine: _score_all(engine, encoded))
+            if len(request.inputs) > limits.max_score_inputs:
+                raise _BadRequest(f"{len(request.inputs)} inputs; this server scores at most "
+                                  f"{limits.max_score_inputs} per call (--max_score_inputs)")
+            encoded = await asyncio.to_thread(self._encode_score_inputs, request)
+            total = sum(len(ids) for ids in encoded)
+            if total > limits.max_score_tokens:
+                raise _BadRequest(f"the inputs have {total} tokens; this server scores at most "
+                                  f"{limits.max_score_tokens} per call (--max_score_tokens)")
+            results = await self.worker.score(encoded)
         except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoFreeBlocksError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"too few free KV blocks to score now ({e}); retry when the server is less busy")
+        except EngineStoppedError as e:
+            await context.abort(*_status(e))
         return pb.ScoreResponse(results=[
             pb.ScoreResult(token_ids=r.token_ids, token_logprobs=r.token_logprobs, log_likelihood=r.log_likelihood)
             for r in results])
 
+    def _encode_score_inputs(self, request: pb.ScoreRequest) -> list[list[int]]:
+        encoded = []
+        for i, item in enumerate(request.inputs):
+            try:
+                encoded.append(_prompt(self.tokenizer, item, "input"))
+            except (_BadRequest, InvalidRequestError) as e:
+                raise _BadRequest(f"inputs[{i}]: {e}") from None
+        return encoded
+
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            _check_known_fields(request)
+            self._check(request)
             kind = request.WhichOneof("input")
             if kind is None:
                 raise _BadRequest("input is required: set one of text, chat")
-            ids = encode_prompt(self.tokenizer, request.text) if kind == "text" else _encode_chat(self.tokenizer, request.chat)
+            if kind == "text":
+                ids = await asyncio.to_thread(encode_prompt, self.tokenizer, request.text)
+            else:
+                ids = await asyncio.to_thread(_encode_chat, self.tokenizer, request.chat)
         except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
@@ -230,14 +327,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
-            _check_known_fields(request)
+            self._check(request)
             check_token_ids(request.token_ids, self.worker.engine.model_config.vocab_size, "token ids")
         except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        text = self.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
+        text = await asyncio.to_thread(self.tokenizer.decode, request.token_ids,
+                                       skip_special_tokens=not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        try:
+            self._check(request)
+        except _BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         engine = self.worker.engine  # read-only fields fixed at construction
         cfg = engine.model_config
         return pb.ModelInfoResponse(
@@ -250,68 +352,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens)
 
 
-def _score_all(engine, encoded: list[list[int]]):
-    results = []
-    for i, ids in enumerate(encoded):
-        try:
-            results.append(engine.score(ids))
-        except InvalidRequestError as e:
-            raise InvalidRequestError(f"inputs[{i}]: {e}") from None
-    return results
-
-
 def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, EngineStoppedError):
-        return grpc.StatusCode.UNAVAILABLE, f"{error}; the request was aborted"
+        return grpc.StatusCode.UNAVAILABLE, f"{error}; the call was aborted"
     if isinstance(error, EngineFailedError):
         return grpc.StatusCode.INTERNAL, str(error)
     return grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
 
 
-# ---- auth ----------------------------------------------------------------------------------
-
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires metadata `authorization: Bearer <token>` on every call except gRPC health checks
-    (load balancers probe without credentials); others get UNAUTHENTICATED."""
-
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("the auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{health.SERVICE_NAME}/"):
-            return handler
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
-            return handler
-        return _denying(handler, "missing or wrong auth token: send metadata 'authorization: Bearer <token>'")
-
-
-def _denying(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that fails with UNAUTHENTICATED."""
-
-    async def deny(_request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
-        if getattr(handler, kind) is not None:
-            return getattr(grpc, f"{kind}_rpc_method_handler")(
-                deny, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-    raise TypeError(f"unknown handler kind: {handler!r}")
+def _method_handlers(servicer: GenerationServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's handlers, as the generated `add_GenerationServicer_to_server` builds them but
+    with lenient request deserializers (see `_lenient`)."""
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    handlers = {}
+    for method in service.methods:
+        request, response = (getattr(pb, m.name) for m in (method.input_type, method.output_type))
+        kind = "unary_stream" if method.server_streaming else "unary_unary"
+        handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
+            getattr(servicer, method.name), request_deserializer=_lenient(request),
+            response_serializer=response.SerializeToString)
+    return handlers
 
 
 # ---- the server ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TLSConfig:
-    certificate_chain: bytes  # PEM
-    private_key: bytes  # PEM
-
 
 class GenerationServer:
     """The gRPC server around one model: the Generation service, health and reflection.
@@ -321,20 +386,23 @@ class GenerationServer:
       tokenizer: the model's tokenizer.
       model_name: reported by ModelInfo.
       host, port: where to listen; port 0 picks a free port (see `start()`).
-      auth_token: if set, calls must carry `authorization: Bearer <token>`.
+      tenants: if set, calls must carry `authorization: Bearer <token>` of one of its tokens.
       tls: serve TLS with this certificate and key; None serves plaintext.
+      limits: per-call limits.
 
     `metrics` are the worker's Prometheus metrics (served by `engine.serve`).
     """
 
     def __init__(self, worker: EngineWorker, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 auth_token: str | None = None, tls: TLSConfig | None = None):
+                 tenants: Tenants | None = None, tls: TLSConfig | None = None,
+                 limits: ServingLimits = ServingLimits()):
         self.worker = worker
         self.tokenizer = tokenizer
         self.metrics: Metrics = worker.metrics
         self.model_name = model_name
+        self.tenants = tenants
+        self.limits = limits
         self._address = f"{host}:{port}"
-        self._auth_token = auth_token
         self._tls = tls
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -342,10 +410,15 @@ class GenerationServer:
 
     async def start(self) -> int:
         """Starts the engine thread and the server; returns the bound port. Call on the serving event loop."""
-        interceptors = [TokenAuthInterceptor(self._auth_token)] if self._auth_token else []
-        self._server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.worker, self.tokenizer, self.model_name), self._server)
+        interceptors = [TokenAuthInterceptor(self.tenants)] if self.tenants else []
+        # gRPC's receive limit sits well above ours, so oversized requests get this server's clear error
+        # (parsing a message costs milliseconds; what follows it is what the limit protects).
+        receive = max(8 << 20, 4 * self.limits.max_request_bytes)
+        self._server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", receive)])
+        servicer = GenerationServicer(self.worker, self.tokenizer, self.model_name, self.limits, self.tenants)
+        handlers = _method_handlers(servicer)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self._server.add_registered_method_handlers(SERVICE_NAME, handlers)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -364,12 +437,17 @@ class GenerationServer:
         return self.port
 
     async def stop(self, grace: float) -> None:
-        """Graceful shutdown: health turns NOT_SERVING, new calls are refused, calls in flight get
-        `grace` seconds to finish and are then cancelled (aborting their requests); then the engine
-        thread stops."""
+        """Graceful shutdown: health turns NOT_SERVING and new calls are refused; requests in flight
+        get `grace` seconds to finish; then the engine thread stops, so the rest end with a last
+        message with FINISH_REASON_ABORT (a Score in flight gets UNAVAILABLE)."""
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.ensure_future(self._server.stop(grace + _FINAL_MESSAGE_S))
+        deadline = loop.time() + grace
+        while self.worker.num_streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(self.worker.stop)
+        await stopping
         log.info("server stopped")
 
     async def wait_for_termination(self) -> None:

@@ -1,17 +1,24 @@
 """Runs an `Engine` on its own thread and connects it to asyncio code (the gRPC server).
 
 The engine is not thread-safe, so every call to it happens on the engine
-thread. Other threads send commands (add, abort, call) through a thread-safe
-queue; the engine thread applies all pending commands between steps, blocks on
-the queue when it has nothing to run, and hands each step's outputs to the
-requests' asyncio queues with one `call_soon_threadsafe` per event loop.
-An abort is applied before the next step, so a cancelled request's KV blocks
-are free within one step.
+thread. Other threads send commands (add, abort, score, call) through a
+thread-safe queue; the engine thread applies all pending commands between
+steps, blocks on the queue when it has nothing to run, and hands each step's
+outputs to the requests' asyncio queues with one `call_soon_threadsafe` per
+event loop. An abort is applied before the next step, so a cancelled
+request's KV blocks are free within one step.
+
+Request ids are the worker's own (a fresh uuid per request), so no caller
+can name another caller's request; an abort names the `Stream` it ends.
+Scoring runs one chunk (at most the token budget) per turn of the loop,
+between generation steps, so a long Score never holds up the streams, and
+a cancelled Score is dropped before its next chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -21,8 +28,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import Engine
+from engine.engine import Engine, ScoreJob
 from engine.outputs import RequestOutput
+from engine.scoring import ScoreOutput
 from engine.serving.metrics import Metrics
 from scheduler.request import InvalidRequestError, Request, SamplingParams
 
@@ -41,9 +49,10 @@ class EngineFailedError(RuntimeError):
 class Stream:
     """One request's output channel.
 
-    `queue` receives `RequestOutput`s, the last with `finished` set, or one
-    exception (`InvalidRequestError` when the engine refuses the request,
-    `EngineFailedError`, `EngineStoppedError`) after which nothing follows.
+    `queue` receives `RequestOutput`s, the last with `finished` set (with
+    finish reason "abort" when the worker stops first), or one exception
+    (`InvalidRequestError` when the engine refuses the request,
+    `EngineFailedError`) after which nothing follows.
     """
 
     request_id: str
@@ -52,6 +61,17 @@ class Stream:
     arrival: float  # time.monotonic() at submit
     request: Request | None = None  # set on the engine thread once the engine accepted it
     last_token_time: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ScoreCall:
+    """One Score call on the engine thread: its sequences in order, scored one chunk per loop turn."""
+
+    inputs: list[list[int]]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    results: list[ScoreOutput] = dataclasses.field(default_factory=list)
+    job: ScoreJob | None = None  # the sequence being scored
 
 
 class EngineWorker:
@@ -67,6 +87,7 @@ class EngineWorker:
         self.metrics = metrics or Metrics()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}  # engine thread only
+        self._scores: collections.deque[ScoreCall] = collections.deque()  # engine thread only
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -75,20 +96,45 @@ class EngineWorker:
     # ---- any thread ------------------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
-               request_id: str | None = None) -> Stream:
-        """Queues a request; call from a running event loop, whose queue gets the outputs.
+               cache_salt: str | None = None) -> Stream:
+        """Queues a request under a fresh id; call from a running event loop, whose queue gets the outputs.
 
         Validation happens on the engine thread: an invalid request's stream
-        receives the `InvalidRequestError`.
+        receives the `InvalidRequestError`. `cache_salt`: see `Engine.add_request`.
         """
-        stream = Stream(request_id or uuid.uuid4().hex, asyncio.Queue(), asyncio.get_running_loop(),
-                        time.monotonic())
-        self._commands.put(("add", stream, list(prompt_token_ids), sampling, priority))
+        stream = Stream(uuid.uuid4().hex, asyncio.Queue(), asyncio.get_running_loop(), time.monotonic())
+        self._commands.put(("add", stream, list(prompt_token_ids), sampling, priority, cache_salt))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request before the next step; unknown or finished ids are ignored."""
-        self._commands.put(("abort", request_id))
+    def abort(self, stream: Stream) -> None:
+        """Aborts the stream's request before the next step; a finished or refused one is ignored."""
+        self._commands.put(("abort", stream))
+
+    async def score(self, inputs: list[list[int]]) -> list[ScoreOutput]:
+        """Scores token sequences on the engine thread, interleaved with generation steps.
+
+        Cancelling the awaiting task drops the call before its next chunk and
+        frees its blocks. Raises `InvalidRequestError` (naming `inputs[i]`),
+        `scheduler.block_manager.NoFreeBlocksError`, or `EngineStoppedError`.
+        """
+        loop = asyncio.get_running_loop()
+        call = ScoreCall([list(ids) for ids in inputs], loop, loop.create_future())
+        self._commands.put(("score", call))
+        try:
+            return await call.future
+        except asyncio.CancelledError:
+            self._commands.put(("cancel_score", call))
+            raise
+
+    @property
+    def num_streams(self) -> int:
+        """Requests running for callers of `submit` (read from any thread)."""
+        return len(self._streams)
+
+    @property
+    def num_score_calls(self) -> int:
+        """Score calls the engine thread holds (read from any thread)."""
+        return len(self._scores)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between steps; returns its result or raises its exception."""
@@ -98,7 +144,8 @@ class EngineWorker:
         return await future
 
     def stop(self, timeout: float | None = None) -> None:
-        """Aborts every request (their streams get `EngineStoppedError`) and joins the engine thread."""
+        """Aborts every request (each stream gets a last output with finish reason "abort"; each Score
+        call `EngineStoppedError`) and joins the engine thread."""
         if self._thread.is_alive():
             self._commands.put(("stop",))
             self._thread.join(timeout)
@@ -106,9 +153,11 @@ class EngineWorker:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.metrics.record_engine_state(self.engine)
         while True:
             # Block only when idle; otherwise take what has arrived and step.
-            commands = [] if self.engine.has_unfinished() else [self._commands.get()]
+            busy = self.engine.has_unfinished() or self._scores
+            commands = [] if busy else [self._commands.get()]
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -121,13 +170,15 @@ class EngineWorker:
                 self._apply(command)
             if self.engine.has_unfinished():
                 self._step()
+            if self._scores:
+                self._score_chunk()
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, stream, prompt, sampling, priority = command
+            _, stream, prompt, sampling, priority, cache_salt = command
             try:
-                stream.request = self.engine.add_request(prompt, sampling, stream.request_id, priority)
+                stream.request = self.engine.add_request(prompt, sampling, stream.request_id, priority, cache_salt)
             except InvalidRequestError as e:
                 self.metrics.rejected.inc()
                 _deliver(stream.loop, [(stream, e)])
@@ -138,20 +189,25 @@ class EngineWorker:
                 return
             self._streams[stream.request_id] = stream
         elif kind == "abort":
-            stream = self._streams.pop(command[1], None)
-            if stream is not None:
+            stream = command[1]
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
                 self.engine.abort(stream.request_id)
                 self._record_finished(stream, "abort")
+        elif kind == "score":
+            self._scores.append(command[1])
+        elif kind == "cancel_score":
+            call = command[1]
+            if call in self._scores:
+                self._scores.remove(call)
+                self._drop_score(call)
         elif kind == "call":
             _, fn, loop, future = command
             try:
                 result, error = fn(self.engine), None
             except Exception as e:  # noqa: BLE001 -- handed to the caller, who decides
                 result, error = None, e
-            try:
-                loop.call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:  # the caller's loop is closed
-                pass
+            _settle_threadsafe(loop, future, result, error)
         self.metrics.record_engine_state(self.engine)
 
     def _step(self) -> None:
@@ -179,13 +235,46 @@ class EngineWorker:
         for loop, items in deliveries.items():
             _deliver(loop, items)
 
+    def _score_chunk(self) -> None:
+        """Advances the oldest Score call by one chunk; settles it when its last sequence is scored."""
+        call = self._scores[0]
+        try:
+            if call.job is None:
+                i = len(call.results)
+                try:
+                    call.job = self.engine.start_score(call.inputs[i])
+                except InvalidRequestError as e:
+                    raise InvalidRequestError(f"inputs[{i}]: {e}") from None
+            if self.engine.score_chunk(call.job):
+                call.results.append(call.job.output())
+                self.engine.end_score(call.job)
+                call.job = None
+                if len(call.results) == len(call.inputs):
+                    self._scores.popleft()
+                    _settle_threadsafe(call.loop, call.future, call.results, None)
+        except Exception as e:  # noqa: BLE001 -- handed to the caller (bad input, no free blocks, a bug)
+            self._scores.popleft()
+            self._drop_score(call)
+            _settle_threadsafe(call.loop, call.future, None, e)
+
+    def _drop_score(self, call: ScoreCall) -> None:
+        if call.job is not None:
+            self.engine.end_score(call.job)
+            call.job = None
+
     def _end_all(self, error: Exception) -> None:
-        """Aborts every request the worker tracks and hands `error` to their streams."""
+        """Aborts everything the worker tracks: streams end with an "abort" output after a shutdown
+        (`EngineStoppedError`), else get `error`; Score calls get `error`."""
+        stopped = isinstance(error, EngineStoppedError)
         for stream in list(self._streams.values()):
             self.engine.abort(stream.request_id)
-            self._record_finished(stream, "abort" if isinstance(error, EngineStoppedError) else "error")
-            _deliver(stream.loop, [(stream, error)])
+            self._record_finished(stream, "abort" if stopped else "error")
+            _deliver(stream.loop, [(stream, _aborted(stream) if stopped else error)])
         self._streams.clear()
+        while self._scores:
+            call = self._scores.popleft()
+            self._drop_score(call)
+            _settle_threadsafe(call.loop, call.future, None, error)
 
     def _record_tokens(self, stream: Stream, out: RequestOutput, now: float) -> None:
         if out.delta_token_ids:
@@ -203,6 +292,14 @@ class EngineWorker:
                                          stream.request.num_cached_tokens)
 
 
+def _aborted(stream: Stream) -> RequestOutput:
+    """The last output of a stream whose request the worker aborted."""
+    r = stream.request
+    return RequestOutput(stream.request_id, r.prompt_token_ids, "", list(r.output_token_ids), "abort",
+                         num_cached_tokens=r.num_cached_tokens, num_draft_tokens=r.num_draft_tokens,
+                         num_accepted_tokens=r.num_accepted_tokens, num_target_steps=r.num_target_steps)
+
+
 def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Stream, RequestOutput | Exception]]) -> None:
     try:
         loop.call_soon_threadsafe(_put_all, items)
@@ -213,6 +310,14 @@ def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Stream, RequestO
 def _put_all(items: list[tuple[Stream, RequestOutput | Exception]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)
+
+
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any,
+                       error: Exception | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, future, result, error)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:

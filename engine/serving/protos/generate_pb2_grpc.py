@@ -66,15 +66,17 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams a request's output: one message per engine step that produced
-        tokens, the last one with finish_reason and usage. Cancelling the call
-        (or its deadline passing) aborts the request and frees its KV blocks.
+        tokens, the last one with finish_reason and usage (FINISH_REASON_ABORT
+        when the server shuts down first). Cancelling the call (or its deadline
+        passing) aborts the request and frees its KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Score(self, request, context):
-        """Log-likelihoods and per-token log-probabilities of given texts.
+        """Log-likelihoods and per-token log-probabilities of given texts, computed
+        in chunks between generation steps; cancelling the call drops the rest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

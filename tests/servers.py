@@ -1,0 +1,31 @@
+"""A gRPC server for tests: a `GenerationServer` on its own event-loop thread in the test process."""
+
+import asyncio
+import threading
+
+from engine.serving.server import GenerationServer
+from engine.serving.worker import EngineWorker
+
+
+class ServerThread:
+    """A GenerationServer on its own event loop thread."""
+
+    def __init__(self, llm, **kwargs):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name="tiny-llama", **kwargs)
+        self.port = self.run(self.server.start())
+        self.target = f"127.0.0.1:{self.port}"
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def on_engine(self, fn):
+        """fn(engine) on the engine thread; `LLM.generate` this way only while no gRPC request runs."""
+        return self.run(self.server.worker.call(fn))
+
+    def stop(self):
+        self.run(self.server.stop(grace=1))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

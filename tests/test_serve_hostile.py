@@ -1,0 +1,286 @@
+"""The gRPC service against hostile clients: each test reproduces a finding of the hostile-client review.
+
+Request-id hijack, the cross-tenant prefix-cache probe, event-loop stalls on
+large inputs, uncancellable Score, malformed messages, oversized labels,
+shutdown without a final message, /metrics without auth, and the smaller
+items. Tiny random-weight model, servers in this process (`tests.servers`).
+"""
+
+import asyncio
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from engine import LLM, InvalidRequestError
+from engine.serving.client import AsyncClient, Client, generate_request
+from engine.serving.protos import generate_pb2 as pb
+from engine.serving.server import ServingLimits, Tenants
+from tests.servers import ServerThread
+
+TOKENS = {"token-a": "alice", "token-b": "bob"}
+LIMITS = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+# 65 prompt tokens: 4 full blocks of 16 come from the prefix cache on a hit (the last token is always computed).
+SECRET = list(range(100, 165))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = ServerThread(llm, tenants=Tenants(TOKENS), limits=ServingLimits(max_score_inputs=512, max_score_tokens=100_000))
+    yield s
+    s.stop()
+
+
+def _idle(server, timeout: float = 10) -> bool:
+    usable = server.on_engine(lambda e: e.blocks.num_usable_blocks)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.on_engine(lambda e: (e.num_requests, e.blocks.num_free_blocks)) == (0, usable) and \
+                server.server.worker.num_score_calls == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+async def _longest_gap(stream_call) -> tuple[float, list]:
+    """Reads a streaming call to its end; returns the longest wait between messages (s) and the messages."""
+    messages, gap, last = [], 0.0, time.monotonic()
+    async for msg in stream_call:
+        now = time.monotonic()
+        if messages:
+            gap = max(gap, now - last)
+        messages.append(msg)
+        last = now
+    return gap, messages
+
+
+async def _read_rest(call) -> list:
+    """The messages of a streaming call after those taken with `read()` (the two APIs do not mix)."""
+    out = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        out.append(msg)
+    return out
+
+
+def _long_stream(c: AsyncClient, max_tokens: int = 180):
+    request = generate_request(list(range(3, 13)), temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return c.stub.Generate(request, metadata=c.metadata)
+
+
+def test_a_request_id_is_a_label_not_a_handle(server):
+    """Finding 1: a second client reusing a live id and cancelling within ms aborted the first client's request."""
+    async def scenario():
+        async with AsyncClient(server.target, auth_token="token-a") as victim, \
+                AsyncClient(server.target, auth_token="token-b") as attacker:
+            request = generate_request(list(range(3, 13)), temperature=0, max_tokens=120, ignore_eos=True,
+                                       request_id="victim-1")
+            victim_call = victim.stub.Generate(request, metadata=victim.metadata)
+            first = await victim_call.read()
+            for _ in range(5):  # the same id, cancelled at once: must not touch the victim's request
+                probe = attacker.stub.Generate(request, metadata=attacker.metadata)
+                await asyncio.sleep(0.002)
+                probe.cancel()
+            # Reusing a live id is not an error either (it would tell a stranger the id is live).
+            other = await attacker.generate(list(range(3, 13)), temperature=0, max_tokens=5, ignore_eos=True,
+                                            request_id="victim-1")
+            return first, await _read_rest(victim_call), other
+
+    first, rest, other = asyncio.run(scenario())
+    messages = [first, *rest]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in messages) == 120
+    assert {m.request_id for m in messages} == {"victim-1"}
+    assert other.request_id == "victim-1" and len(other.token_ids) == 5
+    assert _idle(server)
+
+
+def test_request_id_label_has_a_length_limit(server):
+    with Client(server.target, auth_token="token-a") as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("hi", max_tokens=2, request_id="x" * 257)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+        assert c.generate("hi", max_tokens=2, request_id="x" * 256).request_id == "x" * 256
+
+
+def test_tenants_do_not_share_the_prefix_cache(server):
+    """Finding 2: another tenant's prompt must give no cache hit (nor a faster first token); the same tenant's does."""
+    kw = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+    with Client(server.target, auth_token="token-a") as alice, Client(server.target, auth_token="token-b") as bob:
+        assert alice.generate(SECRET, **kw).usage.cached_prompt_tokens == 0
+        assert bob.generate(SECRET, **kw).usage.cached_prompt_tokens == 0  # a guess from another tenant: no hit
+        assert alice.generate(SECRET, **kw).usage.cached_prompt_tokens == 64
+        assert bob.generate(SECRET, **kw).usage.cached_prompt_tokens == 64  # bob's own entry now
+        # Inside a tenant, a cache salt separates further.
+        assert alice.generate(SECRET, cache_salt="project-x", **kw).usage.cached_prompt_tokens == 0
+        assert alice.generate(SECRET, cache_salt="project-x", **kw).usage.cached_prompt_tokens == 64
+
+
+def test_a_large_tokenize_does_not_stall_other_streams(server):
+    """Finding 3: a 3.9 MB Tokenize froze every stream for 2.5 s. Over the limit it is refused before any work;
+    under it, it runs off the event loop."""
+    near_limit = "the quick brown fox " * 50_000  # 1,000,000 bytes: under the 1 MiB default
+    huge = "x" * (4 << 20)
+
+    async def scenario():
+        async with AsyncClient(server.target, auth_token="token-a") as c:
+            stream = asyncio.ensure_future(_longest_gap(_long_stream(c)))
+            await asyncio.sleep(0.2)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await c.stub.Tokenize(pb.TokenizeRequest(text=huge), metadata=c.metadata)
+            t = time.monotonic()
+            ids = (await c.stub.Tokenize(pb.TokenizeRequest(text=near_limit), metadata=c.metadata)).token_ids
+            took = time.monotonic() - t
+            return refused.value, len(ids), took, await stream
+
+    refused, n_ids, took, (gap, messages) = asyncio.run(scenario())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max_request_bytes" in refused.details()
+    assert n_ids > 100_000 and took > 0.05  # it really tokenized
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert gap < 0.5, f"a stream waited {gap:.2f} s for a message"
+
+
+def test_a_huge_chat_is_refused_before_templating(server):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 300_000)
+    with Client(server.target, auth_token="token-a") as c:
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            c.stub.Tokenize(pb.TokenizeRequest(chat=chat), metadata=c.metadata)
+        assert time.monotonic() - t < 2
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.value.details()
+
+
+def test_a_cancelled_score_stops_and_does_not_hold_up_streams(server):
+    """Finding 4: a Score went on after its deadline and held the engine thread (a stream got nothing for 87 s)."""
+    inputs = [pb.ScoreInput(token_ids=pb.TokenIds(ids=[(7 * i + j) % 250 + 3 for j in range(250)]))
+              for i in range(400)]  # 400 x 250 tokens: many seconds of scoring on this model
+
+    async def scenario():
+        async with AsyncClient(server.target, auth_token="token-a") as c:
+            stream = asyncio.ensure_future(_longest_gap(_long_stream(c, max_tokens=200)))
+            await asyncio.sleep(0.1)
+            t = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.stub.Score(pb.ScoreRequest(inputs=inputs), metadata=c.metadata, timeout=1.0)
+            deadline_at = time.monotonic() - t
+            return e.value, deadline_at, await stream
+
+    error, deadline_at, (gap, messages) = asyncio.run(scenario())
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_at < 3
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert gap < 2, f"a stream waited {gap:.2f} s while a Score ran"
+    t = time.monotonic()
+    assert _idle(server, timeout=2), "the cancelled Score still holds the engine"
+    assert time.monotonic() - t < 1
+
+
+def test_score_limits(server):
+    with Client(server.target, auth_token="token-a") as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.score([[5, 6]] * 513)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max_score_inputs" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.score([list(range(3, 253))] * 450)  # 112,500 tokens over this server's 100,000
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max_score_tokens" in e.value.details()
+        assert len(c.score([[5, 6, 7]] * 3)) == 3
+
+
+def _raw_call(c: Client, method: str, payload: bytes):
+    call = c.channel.unary_unary(f"/jaxspec.v1.Generation/{method}", request_serializer=lambda b: b,
+                                 response_deserializer=lambda b: b)
+    return call(payload, metadata=c.metadata, timeout=10)
+
+
+def test_invalid_utf8_is_invalid_argument(server):
+    """Finding 5: invalid UTF-8 in a string field gave UNKNOWN (and a server traceback)."""
+    text_field = b"\x0a\x03a\xff\xfe"  # field 1 (text), 3 bytes, not UTF-8
+    with Client(server.target, auth_token="token-a") as c:
+        for method in ("Tokenize", "Score", "Generate"):
+            payload = b"\x0a\x05" + text_field if method == "Score" else text_field  # Score: inputs[0].text
+            if method == "Generate":
+                stream = c.channel.unary_stream("/jaxspec.v1.Generation/Generate", request_serializer=lambda b: b,
+                                                response_deserializer=lambda b: b)
+                with pytest.raises(grpc.RpcError) as e:
+                    list(stream(payload, metadata=c.metadata, timeout=10))
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    _raw_call(c, method, payload)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value.details())
+            assert "UTF-8" in e.value.details()
+
+
+def test_model_info_checks_unknown_fields(server):
+    with Client(server.target, auth_token="token-a") as c:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(c, "ModelInfo", b"\x08\x01")  # field 1 = 1: ModelInfoRequest has no fields
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown fields #1" in e.value.details()
+        assert c.model_info().vocab_size == 256
+
+
+def test_metrics_need_the_token_and_count_blocks_before_any_step(llm):
+    s = ServerThread(llm, tenants=Tenants(TOKENS))
+    http = s.server.metrics.serve(0, tenants=s.server.tenants)
+    try:
+        url = f"http://127.0.0.1:{http.server_port}/metrics"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url, timeout=10)
+        assert e.value.code == 401
+        bad = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(bad, timeout=10)
+        good = urllib.request.Request(url, headers={"Authorization": "Bearer token-b"})
+        text = urllib.request.urlopen(good, timeout=10).read().decode()
+        usable = llm.engine.blocks.num_usable_blocks
+        assert f"engine_kv_blocks_total {float(usable)}" in text and "engine_steps_total 0.0" in text
+    finally:
+        http.shutdown()
+        s.stop()
+
+
+def test_shutdown_ends_streams_with_finish_reason_abort(llm):
+    """Finding 5: calls aborted by shutdown ended with UNAVAILABLE and never saw FINISH_REASON_ABORT."""
+    s = ServerThread(llm)
+
+    async def scenario():
+        async with AsyncClient(s.target) as c:
+            call = _long_stream(c, max_tokens=240)
+            first = await call.read()
+            stopping = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(s.server.stop(grace=0.1), s.loop))
+            rest = await _read_rest(call)
+            await stopping
+            return [first, *rest]
+
+    original_step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.01), original_step())[1]  # outlast the grace period
+    try:
+        messages = asyncio.run(scenario())
+    finally:
+        del llm.engine.step
+        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.thread.join(10)
+    last = messages[-1]
+    assert last.finish_reason == pb.FINISH_REASON_ABORT
+    assert 0 < last.usage.completion_tokens == sum(len(m.token_ids) for m in messages) < 240
+    assert llm.engine.num_requests == 0
+
+
+def test_llm_score_rejects_a_non_sequence(llm):
+    with pytest.raises(InvalidRequestError, match="texts must be"):
+        llm.score(5)
+
+
+def test_tenant_file_format():
+    t = Tenants.parse("# comment\nalice token-a\n\nbob   token-b\n")
+    assert t.tenant_of([("authorization", "Bearer token-b")]) == "bob"
+    assert t.tenant_of([("authorization", "Bearer token-c")]) is None
+    assert Tenants.parse("lone-token\n").tenant_of([("authorization", "Bearer lone-token")]) == "default"
+    for bad, words in [("a b c\n", "line 1"), ("a x\nb x\n", "line 2"), ("", "no auth tokens"),
+                       ("bad/name tok\n", "tenant name")]:
+        with pytest.raises(ValueError, match=words):
+            Tenants.parse(bad)
