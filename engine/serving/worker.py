@@ -91,6 +91,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     def start(self) -> None:
+        self.metrics.record_engine_state(self.engine)  # the gauges are right before the first step
         self._thread.start()
 
     # ---- any thread ------------------------------------------------------------------------
@@ -153,7 +154,6 @@ class EngineWorker:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        self.metrics.record_engine_state(self.engine)
         while True:
             # Block only when idle; otherwise take what has arrived and step.
             busy = self.engine.has_unfinished() or self._scores
