@@ -59,6 +59,8 @@ flags.DEFINE_integer("prefill_len", 512, "Prompt length of the prefill (TTFT) me
 flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (medians are reported).")
 flags.DEFINE_bool("skip_transformers", False, "Skip the Hugging Face transformers baseline.")
 flags.DEFINE_integer("copy_mb", 512, "Size of each array in the bandwidth measurement, MiB (>= 256).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weight dtype (transformers stays fp32).")
+flags.DEFINE_enum("matmul", "auto", ["auto", "xla"], "Engine products over few tokens: the CPU kernel or XLA's dot.")
 flags.DEFINE_bool("breakdown", True, "Also time the pieces of an engine decode step (host vs device).")
 
 FALLBACK_PROMPTS = [
@@ -336,14 +338,16 @@ def main(argv):
     chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
     long_text = (read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0]
 
-    llm = LLM(dtype="float32", max_num_batched_tokens=max(512, FLAGS.prefill_len))
+    llm = LLM(dtype=FLAGS.dtype, matmul=FLAGS.matmul, max_num_batched_tokens=max(512, FLAGS.prefill_len),
+              max_num_seqs=max(64, max(batch_sizes)))
     engine = llm.engine
     prompt_ids = [llm.encode([{"role": "user", "content": p}]) for p in chat]
     long_ids = llm.tokenizer.encode(long_text)[:FLAGS.prefill_len]
     if len(long_ids) < FLAGS.prefill_len:
         long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(engine.runner.state))
+    # The weights a decode step reads once: the model's own, not the CPU kernel's packed copies beside them.
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state)) - engine.runner.packed_bytes
+    n_params = engine.model_config.num_params
 
     monitor = CpuMonitor()
 
@@ -426,7 +430,8 @@ def main(argv):
     # Report.
     runtime = time.perf_counter() - t_start
     cpus = os.cpu_count()
-    print(f"# Decode throughput — SmolLM2-135M-Instruct fp32 ({n_params / 1e6:.1f}M params), CPU")
+    print(f"# Decode throughput — SmolLM2-135M-Instruct {FLAGS.dtype}, matmul {FLAGS.matmul} "
+          f"({n_params / 1e6:.1f}M params), CPU")
     print()
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')} | host {platform.node()} | "
           f"{cpus} CPUs ({platform.processor() or platform.machine()}) | jax {jax.__version__} "

@@ -34,10 +34,20 @@ class EngineConfig:
     # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
     # only runs in interpret mode, an emulator several times slower).
     attention: str = "auto"  # or "pallas" / "reference"
+    # Products over few tokens (decode, verify, small batches): "auto" is the native CPU kernel
+    # (`cpu_kernels`) on CPU when it builds and loads, else XLA's dot; "xla" always XLA's dot.
+    matmul: str = "auto"  # or "xla"
+    # The draft's weights in the CPU kernel: None keeps its dtype; "int8" quantizes them (per-column scales).
+    draft_kernel_dtype: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.matmul not in ("auto", "xla"):
+            raise ValueError(f"matmul must be 'auto' or 'xla', got {self.matmul!r}")
+        if self.draft_kernel_dtype not in (None, "float32", "bfloat16", "int8"):
+            raise ValueError(f"draft_kernel_dtype must be None, 'float32', 'bfloat16' or 'int8', "
+                             f"got {self.draft_kernel_dtype!r}")
         if self.attention not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

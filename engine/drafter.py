@@ -18,6 +18,7 @@ import dataclasses
 
 from flax import nnx
 
+from engine.step import build_model
 from model.llama import Llama
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
@@ -158,17 +159,23 @@ class Drafter:
       draft: a `checkpoints.LoadedModel` with the target's vocabulary.
       config: K and the adaptive-speculation settings.
       vocab_size: the target's vocabulary size.
+      engine_config: the engine's config (the CPU kernel settings); None: XLA's dot only.
     Raises:
       ValueError: the draft's vocabulary differs from the target's.
     """
 
-    def __init__(self, draft, config: SpeculationConfig, vocab_size: int):
+    def __init__(self, draft, config: SpeculationConfig, vocab_size: int, engine_config=None):
         if draft.config.vocab_size != vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
                              f"({vocab_size})")
         self.model_config = draft.config
         self.config = config
-        self.graphdef, self.state = nnx.split(Llama(draft.config, params=draft.params))
+        if engine_config is None:
+            self.graphdef, self.state = nnx.split(Llama(draft.config, params=draft.params))
+            self.packed_bytes = 0
+        else:
+            self.graphdef, self.state, self.packed_bytes = build_model(draft, engine_config,
+                                                                       engine_config.draft_kernel_dtype)
         self.policy = AdaptiveSpeculation(config)
         # Requests whose draft KV fell behind (a step ran without the draft): they never draft again.
         self._behind: set[str] = set()

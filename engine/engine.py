@@ -79,7 +79,7 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = model.tokenizer
         self.config = config
-        self.drafter = Drafter(draft, speculation or SpeculationConfig(), cfg.vocab_size) if draft else None
+        self.drafter = Drafter(draft, speculation or SpeculationConfig(), cfg.vocab_size, config) if draft else None
         B = config.block_size
         bytes_per_block = kv_bytes_per_block(cfg, B)
         if self.drafter is not None:

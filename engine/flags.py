@@ -16,11 +16,17 @@ flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, H
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
                   "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
+flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
+                  "Products over few tokens: auto = the native CPU kernel on CPU (XLA's dot if it cannot "
+                  "load), xla = always XLA's dot.")
 # Speculative decoding.
 flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
                   "Speculative decoding: auto = with the model's bundled draft if it has one.")
 flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
+flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
+                  "The draft's weights in the CPU kernel; int8 quantizes them (per-column scales). "
+                  "Default: the draft's dtype.")
 # Engine limits (`engine.EngineConfig`).
 flags.DEFINE_integer("block_size", 16, "KV block size in tokens (a power of two).")
 flags.DEFINE_integer("num_blocks", None, "KV pool size in blocks; default: sized from --kv_cache_bytes.")
@@ -39,7 +45,8 @@ def llm_from_flags():
     """
     from engine import LLM  # after flag parsing: the jax import is slow
 
-    return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention,
+    return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,
+               draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,

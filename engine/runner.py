@@ -15,24 +15,26 @@ block operation (copy-on-write, swap) applies to every pool at once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 
 from engine.config import EngineConfig
 from engine.drafter import Drafter
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_spec_step
-from engine.step import KVPool, Sampled, StepBatch, copy_blocks, gather_blocks, make_step, scatter_blocks
+from engine.step import (KVPool, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, make_step,
+                         scatter_blocks)
 from model.config import ModelConfig
-from model.llama import Llama
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, StepPlan
+
+log = logging.getLogger(__name__)
 
 PHASES = ("schedule", "block_ops", "pack", "to_device", "device", "update")
 
@@ -135,7 +137,11 @@ class ModelRunner:
         self.config = config
         self.drafter = drafter
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.graphdef, self.state = nnx.split(Llama(cfg, params=model.params))
+        self.graphdef, self.state, self.packed_bytes = build_model(model, config)
+        if drafter is not None:
+            self.packed_bytes += drafter.packed_bytes
+        if self.packed_bytes:
+            log.info("CPU kernel weights: %.0f MB more for the packed copies", self.packed_bytes / 1e6)
         B = config.block_size
         self.pools: tuple[KVPool, ...] = tuple(
             KVPool.zeros(c, num_blocks, B) for c in [cfg] + ([drafter.model_config] if drafter else []))

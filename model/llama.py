@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import cpu_kernels
 from model.config import ModelConfig
 
 
@@ -164,6 +165,54 @@ class Llama(nnx.Module):
             for i in range(cfg.num_layers)])
         self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
 
+    # ---- the CPU kernel for skinny products -------------------------------------------------
+
+    LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+    def pack_linears(self, dtype: str, max_rows: int = 16) -> int:
+        """Keeps a copy of every projection and of the output head in the native CPU kernel's panel
+        layout (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8"); from then on
+        products over at most `max_rows` tokens use the kernel, larger ones XLA's dot on the
+        original weights (the choice is made at trace time from static shapes).
+
+        Returns the bytes the packed copies take. Call before `nnx.split`.
+        """
+        total = 0
+
+        def keep(owner, name: str, w: np.ndarray) -> None:
+            nonlocal total
+            p = cpu_kernels.pack(w, dtype)
+            setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
+            setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
+            total += p.nbytes
+
+        for lp in self.layers:
+            for name in self.LINEARS:
+                keep(lp, name, np.asarray(getattr(lp, name)[...], np.float32))
+        if self.cfg.head_vocab_size:
+            head = np.asarray(self.head[...], np.float32).T
+        elif self.cfg.tie_word_embeddings:
+            head = np.asarray(self.embed[...], np.float32).T
+        else:
+            head = np.asarray(self.lm_head[...], np.float32)
+        keep(self, "head", head)
+        self.skinny_rows = max_rows
+        return total
+
+    def _skinny(self, x: jax.Array) -> bool:
+        return 0 < x.shape[0] <= getattr(self, "skinny_rows", 0)
+
+    def _packed(self, owner, name: str) -> cpu_kernels.PackedWeight:
+        panels = getattr(owner, f"{name}_panels")[...]
+        n = (self.cfg.head_vocab_size or self.cfg.vocab_size) if name == "head" else getattr(owner, name)[...].shape[-1]
+        return cpu_kernels.PackedWeight(panels, getattr(owner, f"{name}_scales")[...], n)
+
+    def _linear(self, x: jax.Array, lp: Block, name: str) -> jax.Array:
+        """x `[T, in]` @ the layer's weight `name` `[in, out]`: the CPU kernel for skinny x, else XLA's dot."""
+        if self._skinny(x):
+            return cpu_kernels.skinny_matmul(x, self._packed(lp, name)).astype(x.dtype)
+        return x @ getattr(lp, name)[...]
+
     def to_params(self) -> dict[str, np.ndarray]:
         """The weights as `param_specs` arrays (numpy, the model's dtype): the inverse of `Llama(cfg, params=...)`.
 
@@ -206,18 +255,18 @@ class Llama(nnx.Module):
         for index, lp in enumerate(self.layers):
             with jax.named_scope("attention"):
                 h = rms_norm(x, lp.attn_norm[...], cfg.rms_norm_eps)
-                qkv = h @ lp.wqkv[...]
+                qkv = self._linear(h, lp, "wqkv")
                 if cfg.qkv_bias:
                     qkv = qkv + lp.bqkv[...]
                 q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
                 q = apply_rope(q.reshape(T, H, D), positions, inv_freq)
                 k = apply_rope(k.reshape(T, K, D), positions, inv_freq)
                 out, cache = attend(q, k, v.reshape(T, K, D), index, cache)
-                x = x + out.reshape(T, H * D).astype(x.dtype) @ lp.wo[...]
+                x = x + self._linear(out.reshape(T, H * D).astype(x.dtype), lp, "wo")
             with jax.named_scope("mlp"):
                 h = rms_norm(x, lp.mlp_norm[...], cfg.rms_norm_eps)
-                gate, up = jnp.split(h @ lp.w_gate_up[...], 2, axis=-1)
-                x = x + (jax.nn.silu(gate) * up) @ lp.w_down[...]
+                gate, up = jnp.split(self._linear(h, lp, "w_gate_up"), 2, axis=-1)
+                x = x + self._linear(jax.nn.silu(gate) * up, lp, "w_down")
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -226,6 +275,12 @@ class Llama(nnx.Module):
         With `cfg.head_vocab_size`, only the `head_ids` columns are computed; the
         others are -1e30 (probability exactly 0 after softmax, finite under temperature).
         """
+        if self._skinny(hidden):
+            out = cpu_kernels.skinny_matmul(hidden, self._packed(self, "head"))
+            if not self.cfg.head_vocab_size:
+                return out
+            full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)
+            return full.at[:, self.head_ids[...]].set(out, indices_are_sorted=True, unique_indices=True)
         if self.cfg.head_vocab_size:
             sub = jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
             full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)

@@ -1,0 +1,99 @@
+"""The native CPU skinny matmul (`cpu_kernels`) against its jnp reference, and the engine with and without it."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cpu_kernels as ck
+from engine import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason="the CPU kernel does not build or run on this machine")
+
+# Relative error bounds against jnp.dot on the same (packed, possibly rounded) weights: only the summation
+# order differs, so fp32-level for every weight dtype (bf16 and int8 rounding is in `unpack`, on both sides).
+RTOL = 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 32), K=st.sampled_from([16, 48, 64, 100, 576]), N=st.sampled_from([16, 37, 64, 200, 1000]),
+       dtype=st.sampled_from(["float32", "bfloat16", "int8"]), seed=st.integers(0, 2**16))
+def test_kernel_equals_reference_inside_jit(T, K, N, dtype, seed):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.05, (K, N)).astype(np.float32)
+    x = jnp.asarray(rng.normal(0, 1, (T, K)).astype(np.float32))
+    p = ck.pack(w, dtype)
+    got = np.asarray(jax.jit(ck.skinny_matmul)(x, p))
+    want = np.asarray(ck.skinny_matmul_reference(x, p))
+    assert got.shape == (T, N)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype,bound", [("float32", 0.0), ("bfloat16", 2.0**-8), ("int8", 0.5 / 127)])
+def test_packing_rounds_within_the_dtype(dtype, bound):
+    """The packed weight equals W up to the dtype's rounding: exact for fp32, half an ulp of bf16 (2**-8
+    relative), half a quantization step for int8 (max|W[:, n]| / 254 per column)."""
+    w = np.random.default_rng(0).normal(0, 1, (40, 70)).astype(np.float32)
+    back = np.asarray(ck.unpack(ck.pack(w, dtype)))
+    scale = np.abs(w).max(axis=0, keepdims=True) if dtype == "int8" else np.abs(w)
+    assert np.all(np.abs(back - w) <= bound * scale + 1e-7)
+    if dtype == "bfloat16":
+        np.testing.assert_array_equal(back, w.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError, match="dtype"):
+        ck.pack(np.ones((4, 4)), "float16")
+    with pytest.raises(ValueError, match="shape"):
+        ck.pack(np.ones(4))
+
+
+LIMITS = {"num_blocks": 48, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+PROMPTS = [list(range(3, 3 + n)) for n in (1, 15, 17, 40)]
+
+
+def test_engine_with_kernel_equals_xla_dot_and_falls_back(monkeypatch):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    xla = LLM("tiny-llama", matmul="xla", **LIMITS)
+    kernel = LLM("tiny-llama", **LIMITS)
+    assert xla.engine.runner.packed_bytes == 0 and kernel.engine.runner.packed_bytes > 0
+    want = [o.token_ids for o in xla.generate(PROMPTS, greedy)]
+    assert [o.token_ids for o in kernel.generate(PROMPTS, greedy)] == want
+    monkeypatch.setattr(ck, "available", lambda: False)  # a machine where the library does not load
+    fallback = LLM("tiny-llama", **LIMITS)
+    assert fallback.engine.runner.packed_bytes == 0
+    assert [o.token_ids for o in fallback.generate(PROMPTS, greedy)] == want
+
+
+def test_kernel_logits_match_xla_dot_in_the_paged_step():
+    """Decode-step logits (T <= 16: the kernel) against the same step with XLA's dot, fp32 and bf16 weights."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    for dtype in ("float32", "bfloat16"):
+        a = LLM("tiny-qwen2", dtype=dtype, matmul="xla", **LIMITS).generate(PROMPTS[:2], sp)
+        b = LLM("tiny-qwen2", dtype=dtype, **LIMITS).generate(PROMPTS[:2], sp)
+        tol = 1e-4 if dtype == "float32" else 2e-2
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            for ex, ey in zip(x.logprobs, y.logprobs):
+                common = sorted(set(ex) & set(ey))
+                assert len(common) >= 4
+                np.testing.assert_allclose([ex[t] for t in common], [ey[t] for t in common], atol=tol)
+
+
+def test_int8_draft_keeps_output_exact():
+    """An int8-quantized draft changes acceptance only: the output is the target's (greedy)."""
+    from checkpoints import load_model
+
+    target = load_model("tiny-llama")
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(target, speculative=None, **LIMITS).generate(PROMPTS, greedy)
+    spec = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3,
+               draft_kernel_dtype="int8", **LIMITS)
+    target_bytes = spec.engine.runner.packed_bytes - spec.engine.drafter.packed_bytes
+    assert spec.engine.drafter.packed_bytes < target_bytes / 3  # int8 panels: a quarter of fp32
+    outs = spec.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.num_accepted_tokens for o in outs) > 0
