@@ -37,7 +37,10 @@ class EngineConfig:
     # Products over few tokens (decode, verify, small batches): "auto" is the native CPU kernel
     # (`cpu_kernels`) on CPU when it builds and loads, else XLA's dot; "xla" always XLA's dot.
     matmul: str = "auto"  # or "xla"
-    # The draft's weights in the CPU kernel: None keeps its dtype; "int8" quantizes them (per-column scales).
+    # The weights the CPU kernel streams, for the target and the draft: None keeps the model's dtype;
+    # "bfloat16" halves the bytes (activations stay in the model's dtype, sums in fp32); "int8"
+    # quantizes them with per-column scales (meant for drafts: the output stays exact).
+    kernel_dtype: str | None = None
     draft_kernel_dtype: str | None = None
 
     def __post_init__(self):
@@ -45,9 +48,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.matmul not in ("auto", "xla"):
             raise ValueError(f"matmul must be 'auto' or 'xla', got {self.matmul!r}")
-        if self.draft_kernel_dtype not in (None, "float32", "bfloat16", "int8"):
-            raise ValueError(f"draft_kernel_dtype must be None, 'float32', 'bfloat16' or 'int8', "
-                             f"got {self.draft_kernel_dtype!r}")
+        for name in ("kernel_dtype", "draft_kernel_dtype"):
+            if getattr(self, name) not in (None, "float32", "bfloat16", "int8"):
+                raise ValueError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got {getattr(self, name)!r}")
         if self.attention not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

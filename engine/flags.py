@@ -24,6 +24,9 @@ flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
                   "Speculative decoding: auto = with the model's bundled draft if it has one.")
 flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
+flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
+                  "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "
+                  "--dtype). Default: the model's dtype.")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's weights in the CPU kernel; int8 quantizes them (per-column scales). "
                   "Default: the draft's dtype.")
@@ -46,7 +49,7 @@ def llm_from_flags():
     from engine import LLM  # after flag parsing: the jax import is slow
 
     return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,
-               draft_kernel_dtype=FLAGS.draft_kernel_dtype,
+               kernel_dtype=FLAGS.kernel_dtype, draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,

@@ -137,7 +137,7 @@ class ModelRunner:
         self.config = config
         self.drafter = drafter
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.graphdef, self.state, self.packed_bytes = build_model(model, config)
+        self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype)
         if drafter is not None:
             self.packed_bytes += drafter.packed_bytes
         if self.packed_bytes:

@@ -21,9 +21,10 @@ from model.llama import Llama
 from scheduler.request import MAX_LOGPROBS
 
 
-# Products over at most this many tokens use the CPU kernel (measured: at T = 16 it still takes about
-# 0.6x XLA's dot time on the 2-core development machine; prefill chunks stay with XLA's dot).
-SKINNY_MAX_ROWS = 16
+# Products over at most this many tokens use the CPU kernel; larger ones (prefill chunks) XLA's dot.
+# Measured on the 2-core development machine (benchmarks/cpu_matmul.py): the kernel takes 0.69x XLA's
+# time at T = 16, 0.77x at T = 32 and 0.88x at T = 64.
+SKINNY_MAX_ROWS = 64
 
 
 def build_model(loaded, config, kernel_dtype: str | None = None):
