@@ -1,9 +1,9 @@
-"""Speculative decoding on the real model with its distilled draft (fp32, CPU), by prompt domain.
+"""Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the distilled draft, n-gram lookup.
 
   python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
-      [--max_tokens=64]
+      [--max_tokens=64] [--proposers=draft,ngram]
 
-For each domain, batch size B and K: B real prompts (chat template, greedy,
+For each domain, proposer, batch size B and K: B real prompts (chat template, greedy,
 `ignore_eos`) decode together. Decode steps are timed from the second step
 after prefill while all B requests run (so no compilation and no shrinking
 batch is timed): tok/s = tokens emitted in the timed steps / their time.
@@ -49,6 +49,9 @@ flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_integer("adaptive_requests", 8, "Requests per domain in the adaptive-speculation stream.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
+flags.DEFINE_list("proposers", ["draft", "ngram"], "Proposers to measure (the `speculative` kinds).")
+flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
+                  "(checkpoints.draft.early_exit_draft) instead of --draft.")
 
 DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
@@ -147,11 +150,15 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
 def main(argv):
     del argv
     from checkpoints import load_model
-    from checkpoints.draft import DEFAULT_DRAFT, load_draft
+    from checkpoints.draft import DEFAULT_DRAFT, early_exit_draft, load_draft
     from engine import LLM
 
     target = load_model()
-    draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
+    draft = None
+    if FLAGS.early_exit_layers:
+        draft = early_exit_draft(target, [int(i) for i in FLAGS.early_exit_layers])
+    elif "draft" in FLAGS.proposers:
+        draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
     print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, greedy, "
@@ -164,38 +171,46 @@ def main(argv):
     print("|---|" + "---:|" * len(costs))
     print("| ms | " + " | ".join(f"{ms:.1f}" for ms in costs.values()) + " |")
     print("| x 1-token step | " + " | ".join(f"{ms / costs[1]:.2f}" for ms in costs.values()) + " |\n")
-    print("| domain | batch | K | alpha | tokens/step | c | ms/step (spec / plain) | tok/s (spec / plain) "
+    print("| domain | proposer | batch | K | alpha | tokens/step | c | ms/step (spec / plain) | tok/s (spec / plain) "
           "| speed-up measured | (1+K alpha)/(1+K c) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    spec_llms = {k: LLM(target, speculative="draft", draft_model=draft, num_speculative_tokens=k,
-                        max_num_seqs=16, max_num_batched_tokens=512) for k in ks}
-    for k, llm in spec_llms.items():
-        llm.engine.drafter.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def with_proposer(name, **kw):
+        return LLM(target, speculative=name, draft_model=draft if name == "draft" else None, **kw)
+
+    spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
+                 for name in FLAGS.proposers for k in ks}
+    for llm in spec_llms.values():
+        llm.engine.proposer.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
     adaptive = {}
     # The stream's engines: default speculation settings; prefix caching off so that the prefill shapes
     # compiled beforehand are the ones used.
     stream_kw = dict(max_num_seqs=1, max_num_batched_tokens=512, num_blocks=256, enable_prefix_caching=False)
-    default = LLM(target, speculative="draft", draft_model=draft, **stream_kw)
+    defaults = [with_proposer(name, **stream_kw) for name in FLAGS.proposers]
     stream_plain = LLM(target, speculative=None, **stream_kw)
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = _prompts(target.tokenizer, domain, b)
             plain_tps, plain_ms, _, _, want = _decode(plain_llm, prompts)
-            for k, llm in spec_llms.items():
+            for (name, k), llm in spec_llms.items():
                 tps, ms, per_step, alpha, got = _decode(llm, prompts)
                 assert got == want, "speculative greedy output differs from the target's"
                 c = (ms - plain_ms) / (k * plain_ms)
-                print(f"| {domain} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
+                alpha = alpha or 0.0  # n-gram: None when nothing matched
+                print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
                       f"| {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |")
         prompts = _prompts(target.tokenizer, domain, FLAGS.adaptive_requests)
-        adaptive[domain] = _streams((default, stream_plain), prompts, domain)
+        adaptive[domain] = _streams((*defaults, stream_plain), prompts, domain)
     print(f"\n## Adaptive speculation (default settings), {FLAGS.adaptive_requests} requests per domain, "
           "one at a time\n")
-    print("| domain | tok/s adaptive | tok/s no speculation | ratio | requests that speculated "
+    print("| domain | proposer | tok/s adaptive | tok/s no speculation | ratio | requests that speculated "
           "| draft tokens proposed / accepted |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for domain, ((a, n, drafts), (p, _, _)) in adaptive.items():
-        print(f"| {domain} | {a:.1f} | {p:.1f} | {a / p:.2f}x | {n} of {FLAGS.adaptive_requests} | {drafts} |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for domain, results in adaptive.items():
+        p = results[-1][0]
+        for name, (a, n, drafts) in zip(FLAGS.proposers, results[:-1]):
+            print(f"| {domain} | {name} | {a:.1f} | {p:.1f} | {a / p:.2f}x | {n} of {FLAGS.adaptive_requests} "
+                  f"| {drafts} |")
 
 if __name__ == "__main__":
     app.run(main)

@@ -9,11 +9,15 @@ memory once and keeps `rows x 16` accumulators in vector registers
 bfloat16 (half the bytes) or int8 with a per-output-column scale (a quarter);
 accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
 
-The library is compiled with the machine's C++ compiler on first use (a few
-seconds) into the cache directory and reused while its source and jaxlib are
-unchanged. When it cannot be built or loaded, or the CPU has neither
-AVX-512F nor AVX2+FMA, `available()` is False, one warning is logged, and
-callers keep XLA's dot.
+`paged_attention(...)`: ragged paged attention with the contract of
+`pallas_kernels.reference.ragged_paged_attention_reference` (its reference),
+for steps of few tokens (decode, verify windows); `paged_attention.cc` gives
+the algorithm.
+
+The library is compiled by the install (`pip install -e .`, see `setup.py`).
+When it is missing or cannot load, or the CPU has neither AVX-512F nor
+AVX2+FMA, `available()` is False, one warning is logged, and callers keep
+XLA's dot.
 """
 
 from __future__ import annotations
@@ -21,11 +25,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
+import importlib.machinery
 import logging
 import os
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +36,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel (the kernel's vector width)
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "skinny_matmul.cc")
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _TARGET = "jse_skinny_matmul"
+_ATTENTION_TARGET = "jse_paged_attention"
 _DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}
 
 
@@ -97,56 +100,75 @@ def skinny_matmul_reference(x: jax.Array, p: PackedWeight) -> jax.Array:
 
 def skinny_matmul(x: jax.Array, p: PackedWeight) -> jax.Array:
     """float32 `[T, N]` = x `[T, K]` @ W through the native kernel; requires `available()`."""
+    _require()
     T = x.shape[0]
     scales = p.scales if p.scales.size else jnp.zeros(0, jnp.float32)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((T, p.n), jnp.float32))
     return call(x.astype(jnp.float32), p.panels, scales)
 
 
+def paged_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `paged_attention` takes these head shapes (at most 16 query heads per KV head, D % 8 == 0, D <= 256)."""
+    return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and head_dim % 8 == 0 and head_dim <= 256
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
+                    seq_lens: jax.Array, query_start_loc: jax.Array, layer: jax.Array, *,
+                    sm_scale: float | None = None) -> jax.Array:
+    """Causal attention of ragged query tokens over a paged KV pool, in the native kernel.
+
+    Same arguments, result and semantics as `ragged_paged_attention_reference`:
+    q `[T, H, D]`, pools `[L, P, B, K, D]` (float32 or bfloat16), int32
+    block_tables `[S, M]`, seq_lens `[S]`, query_start_loc `[S+1]`, layer `[]`;
+    returns `[T, H, D]` in q's dtype (float32 inside). Requires `available()`
+    and `paged_attention_supported(H, K, D)`. An out-of-range block table
+    entry or length raises at run time instead of reading outside the pool.
+    """
+    _require()
+    T, H, D = q.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / float(np.sqrt(D))
+    call = jax.ffi.ffi_call(_ATTENTION_TARGET, jax.ShapeDtypeStruct((T, H, D), jnp.float32))
+    out = call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+               query_start_loc.astype(jnp.int32), jnp.asarray(layer, jnp.int32), sm_scale=np.float32(scale))
+    return out.astype(q.dtype)
+
+
 @functools.cache
-def available() -> bool:
-    """Builds, loads and registers the kernel library once; False (and one warning) if that fails."""
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel library, loaded and registered once; None (and one warning) if it cannot run here."""
     try:
-        lib = ctypes.CDLL(_build())
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("CPU kernels unavailable (%s); using XLA's dot", e)
-        return False
+        lib = ctypes.CDLL(_library_path())
+    except OSError as e:
+        log.warning("CPU kernels unavailable (%s); using XLA's dot. `pip install -e .` builds them", e)
+        return None
     if lib.jse_cpu_features() == 0:
         log.warning("this CPU has neither AVX-512F nor AVX2+FMA; using XLA's dot")
-        return False
+        return None
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JseSkinnyMatmul), platform="cpu")
-    return True
+    jax.ffi.register_ffi_target(_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JsePagedAttention), platform="cpu")
+    return lib
+
+
+def _require() -> None:
+    if _library() is None:
+        raise RuntimeError("the CPU kernels are not available here (see the warning logged); `pip install -e .`")
+
+
+def available() -> bool:
+    """Whether the kernel is built, loads, and has a vector path on this CPU."""
+    return _library() is not None
 
 
 def cpu_features() -> str:
     """The instruction set the kernel runs with: "avx512", "avx2" or "none"."""
-    if not available():
-        return "none"
-    return {2: "avx512", 1: "avx2"}[ctypes.CDLL(_build()).jse_cpu_features()]
+    lib = _library()
+    return "none" if lib is None else {2: "avx512", 1: "avx2"}[lib.jse_cpu_features()]
 
 
-def _build() -> str:
-    """Path of the compiled library, compiling it if its source or jaxlib changed."""
-    with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + jax.ffi.include_dir().encode() + jax.__version__.encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jax-spec-engine",
-                         "cpu_kernels")
-    path = os.path.join(cache, f"libjse_cpu_kernels-{key}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(cache, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    cxx = os.environ.get("CXX", "g++")
-    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}", _SOURCE, "-o", tmp]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        os.replace(tmp, path)  # atomic: a concurrent build never sees half a library
-    except FileNotFoundError as e:
-        raise OSError(f"no C++ compiler ({cxx})") from e
-    except subprocess.CalledProcessError as e:
-        raise OSError(f"{cxx} failed: {e.stderr[-500:]}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+def _library_path() -> str:
+    """Where the install put the library (`setup.py` builds it as the extension `cpu_kernels._native`)."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(_HERE, "_native" + suffix)
+        if os.path.exists(path):
+            return path
+    raise OSError(f"no compiled library _native*.so in {_HERE}")

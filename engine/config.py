@@ -31,9 +31,9 @@ class EngineConfig:
     kv_watermark: float = 0.1
     swap_space_bytes: int = 1 << 30
     swap_threshold_tokens: int = 256
-    # "auto": the Pallas kernel on GPU, the jnp reference on CPU (where Pallas
-    # only runs in interpret mode, an emulator several times slower).
-    attention: str = "auto"  # or "pallas" / "reference"
+    # "auto": the Pallas kernel on GPU; on CPU (where Pallas only runs in interpret mode, an emulator
+    # several times slower) the native kernel for small steps when it loads, else the jnp reference.
+    attention: str = "auto"  # or "pallas" / "native" / "reference"
     # Products over few tokens (decode, verify, small batches): "auto" is the native CPU kernel
     # (`cpu_kernels`) on CPU when it builds and loads, else XLA's dot; "xla" always XLA's dot.
     matmul: str = "auto"  # or "xla"
@@ -51,8 +51,8 @@ class EngineConfig:
         for name in ("kernel_dtype", "draft_kernel_dtype"):
             if getattr(self, name) not in (None, "float32", "bfloat16", "int8"):
                 raise ValueError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got {getattr(self, name)!r}")
-        if self.attention not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {self.attention!r}")
+        if self.attention not in ("auto", "reference", "native", "pallas"):
+            raise ValueError(f"attention must be 'auto', 'reference', 'native' or 'pallas', got {self.attention!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 <= self.kv_watermark < 1:

@@ -1,7 +1,7 @@
 """The engine loop: schedule -> run -> update, over a scheduler (host), a runner (device) and per-request state.
 
 One `Engine.step`: the scheduler plans the step under the token budget
-(asking the drafter, if any, how many draft tokens each decode wants); the
+(asking the proposer, if any, how many draft tokens each decode wants); the
 runner applies the plan's block operations, packs it into a bucket and runs
 the one step program; the engine then commits the step to the scheduler and
 turns each row's emitted tokens into a `RequestOutput` (detokenizing, stop
@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.compilation import compilation_count
 from engine.config import EngineConfig
-from engine.drafter import Drafter, SpeculationConfig
+from engine.proposers import DraftModelProposer, NgramProposer, Proposer, SpeculationConfig
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
 from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming, kv_bytes_per_block
@@ -64,10 +64,11 @@ class Engine:
       model: a `checkpoints.LoadedModel` (config, params, tokenizer).
       config: engine limits.
       draft: a `LoadedModel` of a draft model with the target's vocabulary, for
-        speculative decoding (None: no speculation).
-      speculation: K and the adaptive-speculation settings (with a draft).
+        speculative decoding with `speculation.method` "draft".
+      speculation: the proposer, K and the adaptive-speculation settings (None:
+        "draft" with a draft, else no speculation).
     Raises:
-      ValueError: bad limits, or a draft whose vocabulary differs.
+      ValueError: bad limits, a draft whose vocabulary differs, or method "draft" without a draft.
 
     `on_step`, if set, is called with each step's `StepTiming` (the program it
     ran and its time per phase); `stats` keeps the totals.
@@ -79,11 +80,11 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = model.tokenizer
         self.config = config
-        self.drafter = Drafter(draft, speculation or SpeculationConfig(), cfg.vocab_size, config) if draft else None
+        self.proposer = _proposer(draft, speculation, cfg.vocab_size, config)
         B = config.block_size
         bytes_per_block = kv_bytes_per_block(cfg, B)
-        if self.drafter is not None:
-            bytes_per_block += kv_bytes_per_block(self.drafter.model_config, B)
+        if self.proposer is not None and self.proposer.model_config is not None:
+            bytes_per_block += kv_bytes_per_block(self.proposer.model_config, B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
@@ -97,7 +98,7 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
-        self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.drafter)
+        self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.proposer)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._states: dict[str, RequestState] = {}
         self._samples: dict[str, list[Request]] = {}  # n > 1 requests after their fork: the samples
@@ -115,10 +116,10 @@ class Engine:
         """
         sampling.validate()
         k = sampling.num_speculative_tokens
-        if k and self.drafter is None:
-            raise InvalidRequestError("speculation is not available: the engine has no draft model")
-        if self.drafter is not None:
-            self.drafter.validate(k)
+        if k and self.proposer is None:
+            raise InvalidRequestError("speculation is not available: the engine has no proposer")
+        if self.proposer is not None:
+            self.proposer.validate(k)
         if sampling.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)
@@ -180,8 +181,8 @@ class Engine:
     def _forget(self, request: Request) -> None:
         """Drops the engine's bookkeeping of a finished request."""
         del self._states[request.request_id]
-        if self.drafter is not None:
-            self.drafter.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if request.parent is not None:
             parent_id = request.parent.request_id
             if all(c.finished for c in self._samples[parent_id]):
@@ -193,8 +194,8 @@ class Engine:
         self._samples[parent.request_id] = children
         for c in children:
             self._track(c, (state.seed + c.index) % 2**32, [] if state.logprobs is not None else None)
-        if self.drafter is not None:
-            self.drafter.fork(parent, children)
+        if self.proposer is not None:
+            self.proposer.fork(parent, children)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ class Engine:
         """Runs one step; returns an output for every request that got new tokens or finished."""
         timing = StepTiming()
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self._draft_len if self.drafter is not None else None)
+        plan = self.scheduler.schedule(self._draft_len if self.proposer is not None else None)
         t1 = time.perf_counter()
         self.runner.apply_block_ops(plan)
         for parent, children in plan.forks:
@@ -216,9 +217,12 @@ class Engine:
         timing.schedule, timing.block_ops = t1 - t0, t2 - t1
         outputs = []
         if plan.seqs:
-            K = self.drafter.step_k(plan, self.num_steps) if self.drafter is not None else None
+            K, proposals = None, None
+            if self.proposer is not None:
+                K = self.proposer.step_k(plan, self.num_steps)
+                proposals = self.proposer.proposals(plan) if K else None
             packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
-                                             for s in plan.seqs}, K)
+                                             for s in plan.seqs}, K, proposals)
             timing.pack = time.perf_counter() - t2
             result = self.runner.run(packed, K, timing)
             t3 = time.perf_counter()
@@ -230,7 +234,7 @@ class Engine:
         return outputs
 
     def _draft_len(self, request: Request) -> int:
-        return self.drafter.draft_len(request, self.num_steps)
+        return self.proposer.draft_len(request, self.num_steps)
 
     def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
         """Commits the step to the scheduler and appends each sampling row's emitted tokens."""
@@ -248,7 +252,7 @@ class Engine:
                 r.num_accepted_tokens += accepted[i]
                 self.stats.num_draft_tokens += s.num_draft
                 self.stats.num_accepted_tokens += accepted[i]
-                self.drafter.record(r, s.num_draft, accepted[i], self.num_steps)
+                self.proposer.record(r, s.num_draft, accepted[i], self.num_steps)
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()
             logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None
@@ -346,3 +350,14 @@ def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, f
     entry = {int(t): float(v) for t, v in zip(sampled.top_ids[row, slot, :n], sampled.top_logprobs[row, slot, :n])}
     entry.setdefault(int(sampled.tokens[row, slot]), float(sampled.logprobs[row, slot]))
     return entry
+
+
+def _proposer(draft, speculation: SpeculationConfig | None, vocab_size: int, config: EngineConfig) -> Proposer | None:
+    """The engine's proposer from its `draft` and `speculation` arguments (see `Engine`)."""
+    if speculation is None:
+        return DraftModelProposer(draft, SpeculationConfig(), vocab_size, config) if draft is not None else None
+    if speculation.method == "ngram":
+        return NgramProposer(speculation)
+    if draft is None:
+        raise ValueError("speculation method 'draft' needs a draft model")
+    return DraftModelProposer(draft, speculation, vocab_size, config)

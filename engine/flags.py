@@ -14,14 +14,16 @@ FLAGS = flags.FLAGS
 # Model.
 flags.DEFINE_string("model", "smollm2-135m-instruct", "Preset name, GGUF file, HF or Orbax directory.")
 flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default the checkpoint's.")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "pallas"],
-                  "Paged attention: auto = the Pallas kernel on GPU, the jnp reference on CPU.")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "native", "pallas"],
+                  "Paged attention: auto = the Pallas kernel on GPU; on CPU the native kernel for small steps "
+                  "(else the jnp reference).")
 flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
                   "Products over few tokens: auto = the native CPU kernel on CPU (XLA's dot if it cannot "
                   "load), xla = always XLA's dot.")
 # Speculative decoding.
-flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "off"],
-                  "Speculative decoding: auto = with the model's bundled draft if it has one.")
+flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "ngram", "off"],
+                  "Speculative decoding: draft = a draft model proposes, ngram = prompt lookup; auto = with the "
+                  "model's bundled draft if it has one.")
 flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],

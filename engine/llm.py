@@ -11,7 +11,7 @@ import numpy as np
 
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.config import EngineConfig
-from engine.drafter import SpeculationConfig
+from engine.proposers import SpeculationConfig
 from engine.engine import Engine
 from engine.inputs import Prompt, encode_prompt
 from engine.outputs import RequestOutput
@@ -28,9 +28,10 @@ class LLM:
         already loaded `checkpoints.LoadedModel` (engines of one model share
         compiled programs).
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
-      speculative: "draft" (a draft model proposes tokens), None (off), or
-        "auto": "draft" when `model` names a model with a bundled default draft
-        (the real SmolLM2 model), else off.
+      speculative: "draft" (a draft model proposes tokens), "ngram" (prompt
+        lookup: tokens that followed the latest earlier occurrence of the last
+        few tokens), None (off), or "auto": "draft" when `model` names a model
+        with a bundled default draft (the real SmolLM2 model), else off.
       draft_model: the draft (bundled name, path, or `LoadedModel`); None takes
         the model's default draft.
       num_speculative_tokens: K, the most draft tokens per verify step
@@ -48,8 +49,8 @@ class LLM:
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
-        if speculative not in ("auto", "draft", None):
-            raise ValueError(f"speculative must be 'auto', 'draft' or None, got {speculative!r}")
+        if speculative not in ("auto", "draft", "ngram", None):
+            raise ValueError(f"speculative must be 'auto', 'draft', 'ngram' or None, got {speculative!r}")
         if speculative == "auto":
             has_default = isinstance(model, str) and DEFAULT_DRAFTS.get(model) in draft_names()
             speculative = "draft" if draft_model is not None or has_default else None
@@ -60,8 +61,10 @@ class LLM:
                     raise ValueError(f"no default draft for {model!r}: pass draft_model")
                 draft_model = DEFAULT_DRAFTS[model]
             draft = draft_model if isinstance(draft_model, LoadedModel) else load_draft(draft_model, loaded)
-        self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft,
-                             speculation=SpeculationConfig(num_speculative_tokens) if draft else None)
+        speculation = None
+        if speculative is not None:
+            speculation = SpeculationConfig(num_speculative_tokens, method=speculative)
+        self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft, speculation=speculation)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt (see `engine.inputs.encode_prompt`)."""

@@ -7,9 +7,11 @@ packs it into a padded bucket, runs the one step program, and makes the
 step's one device-to-host read. It never sees a request's bookkeeping beyond
 what `pack` reads (tokens, block ids, sampling settings).
 
-With a draft model (`engine.drafter.Drafter`), the draft's KV pool sits
-beside the target's in `pools`: the same block tables index both, so a
-block operation (copy-on-write, swap) applies to every pool at once.
+With a draft model (`engine.proposers.DraftModelProposer`), the draft's KV
+pool sits beside the target's in `pools`: the same block tables index both,
+so a block operation (copy-on-write, swap) applies to every pool at once. A
+host proposer (`NgramProposer`) has no pool; its steps run the target and
+the verify alone.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+import cpu_kernels
+
 from engine.config import EngineConfig
-from engine.drafter import Drafter
+from engine.proposers import Proposer
 from engine.scoring import make_score_step
-from engine.speculative import SpecBatch, make_spec_step
-from engine.step import (KVPool, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, make_step,
+from engine.speculative import SpecBatch, make_spec_step, make_verify_step
+from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, make_step,
                          scatter_blocks)
 from model.config import ModelConfig
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -108,14 +112,23 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
 def resolve_attention(name: str) -> Callable:
     """The paged attention function for `EngineConfig.attention`.
 
-    "auto" is the Pallas kernel on GPU and the jnp reference on CPU, where
-    Pallas only runs in interpret mode (an emulator several times slower).
+    "auto" is the Pallas kernel on GPU; on CPU, where Pallas only runs in
+    interpret mode (an emulator several times slower), the native kernel for
+    small steps when it loads (`cpu_paged_attention`), else the jnp reference.
+    Raises ValueError for "native" where the native kernel does not load.
     """
     if name == "auto":
-        name = "reference" if jax.default_backend() == "cpu" else "pallas"
+        if jax.default_backend() != "cpu":
+            name = "pallas"
+        else:
+            name = "native" if cpu_kernels.available() else "reference"
     if name == "pallas":
         from pallas_kernels.ragged_paged_attention import ragged_paged_attention
         return ragged_paged_attention
+    if name == "native":
+        if jax.default_backend() != "cpu" or not cpu_kernels.available():
+            raise ValueError("attention='native' needs the CPU backend and the compiled CPU kernels (pip install -e .)")
+        return cpu_paged_attention
     return ragged_paged_attention_reference
 
 
@@ -127,24 +140,25 @@ class ModelRunner:
       config: engine limits (block size, buckets, attention).
       num_blocks: KV pool size in blocks (block 0 is reserved for padding).
       max_blocks_per_seq: block-table width.
-      drafter: the draft model, for speculative steps (None: none).
+      proposer: the speculation proposer (None: none).
     """
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, max_blocks_per_seq: int,
-                 drafter: Drafter | None = None):
+                 proposer: Proposer | None = None):
         cfg = model.config
         self.model_config = cfg
         self.config = config
-        self.drafter = drafter
+        self.proposer = proposer
+        draft_config = proposer.model_config if proposer is not None else None
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype)
-        if drafter is not None:
-            self.packed_bytes += drafter.packed_bytes
+        if proposer is not None:
+            self.packed_bytes += proposer.packed_bytes
         if self.packed_bytes:
             log.info("CPU kernel weights: %.0f MB more for the packed copies", self.packed_bytes / 1e6)
         B = config.block_size
         self.pools: tuple[KVPool, ...] = tuple(
-            KVPool.zeros(c, num_blocks, B) for c in [cfg] + ([drafter.model_config] if drafter else []))
+            KVPool.zeros(c, num_blocks, B) for c in [cfg] + ([draft_config] if draft_config else []))
         # The compiled shapes: every program is specialised to one of these.
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
@@ -160,15 +174,19 @@ class ModelRunner:
 
     @property
     def spec_ks(self) -> list[int | None]:
-        """The step programs per shape: target only, and with a draft K = 0 and each ladder K."""
-        return [None] if self.drafter is None else [None, 0, *self.drafter.config.ladder]
+        """The step programs per shape: target only, each ladder K, and K = 0 with a draft model (it keeps
+        the draft's KV in step)."""
+        if self.proposer is None:
+            return [None]
+        return [None, *([0] if self.proposer.on_device else []), *self.proposer.config.ladder]
 
     # ---- the step -------------------------------------------------------------------------
 
-    def pack(self, plan: StepPlan, seeds: dict[str, int], spec_k: int | None = None) -> PackedBatch:
+    def pack(self, plan: StepPlan, seeds: dict[str, int], spec_k: int | None = None,
+             proposals: dict[str, list[int]] | None = None) -> PackedBatch:
         """`plan` padded into its bucket (see `scheduler.packing.pack`)."""
         return pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets, self.seq_buckets,
-                    seeds, spec_k)
+                    seeds, spec_k, proposals)
 
     def padding_batch(self, T: int, S: int, spec_k: int | None = None) -> PackedBatch:
         """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
@@ -180,14 +198,20 @@ class ModelRunner:
 
         `spec_k` None runs the target alone (num_emitted is None: one token
         per row); otherwise the draft + verify program for that K
-        (`engine.speculative.make_spec_step`). The pools are donated and replaced.
+        (`engine.speculative.make_spec_step`), or the verify program of a host
+        proposer (`make_verify_step`). The pools are donated and replaced.
         """
         if spec_k is None:
             sampled, pool = self._step(self.state, self.pools[0], batch)
             self.pools = (pool, *self.pools[1:])
             return sampled, None
-        step = make_spec_step(self.graphdef, self.drafter.graphdef, self._attention, spec_k)
-        sampled, num_emitted, *pools = step(self.state, self.drafter.state, *self.pools, batch, spec)
+        if not self.proposer.on_device:
+            step = make_verify_step(self.graphdef, self._attention, spec_k)
+            sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
+            self.pools = (pool,)
+            return sampled, num_emitted
+        step = make_spec_step(self.graphdef, self.proposer.graphdef, self._attention, spec_k)
+        sampled, num_emitted, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
         self.pools = tuple(pools)
         return sampled, num_emitted
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a standalone draft model: one jitted program per step.
+"""Speculative decoding: one jitted program per step, draft (if on the device) + target + verify.
 
 Sources: Leviathan et al. 2023 (§2.3, Algorithm 1) and Chen et al. 2023
 (Algorithm 2) for the proposal/verify scheme; the verify itself is
@@ -22,6 +22,9 @@ rows carry `K_i` placeholder tokens after their last accepted token:
   4. `verify`: accepted tokens plus one correction or bonus token per row.
 Rows with `num_draft = 0` (prefill chunks, requests without speculation)
 are ordinary sampling steps.
+
+A host proposer (n-gram lookup) has packed its tokens into the placeholders
+already; `make_verify_step` runs steps 3 and 4 alone, with a one-hot `p`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class SpecBatch:
     draft_token_index: jax.Array  # int32 [S, K], index in the packed tokens of each placeholder (T = none)
     verify_indices: jax.Array  # int32 [S, K+1], packed index of each verify position
     draft_slots: jax.Array  # int32 [K, S], slot of draft pass j's input token (0 = masked)
+    draft_tokens: jax.Array  # int32 [S, K], a host proposer's draft tokens (already in the packed tokens)
 
     @classmethod
     def from_packed(cls, spec) -> SpecBatch:
@@ -105,11 +109,39 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
             draft_tokens = jnp.zeros((S, 0), jnp.int32)
             draft_probs = jnp.zeros((S, 0, V), jnp.float32)
             token_ids = batch.token_ids
-        hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
-        logits = target.logits(hidden[spec.verify_indices.reshape(-1)]).reshape(S, K + 1, V)
-        out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
-        sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
-                                 jnp.repeat(batch.want_logprobs, K + 1))
+        sampled, num_emitted, pool = _target_verify(target, pool, batch, spec, token_ids, draft_tokens, draft_probs,
+                                                    attention)
         return sampled, num_emitted, pool, draft_pool
+
+    return step
+
+
+def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array,
+                   draft_tokens: jax.Array, draft_probs: jax.Array, attention: Callable):
+    """The target over the packed batch (verify windows included), then `verify` and the log-probabilities."""
+    S, K = draft_tokens.shape
+    V = target.cfg.vocab_size
+    last_pos = batch.positions[batch.logits_indices]
+    sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+    hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
+    logits = target.logits(hidden[spec.verify_indices.reshape(-1)]).reshape(S, K + 1, V)
+    out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
+    sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
+                             jnp.repeat(batch.want_logprobs, K + 1))
+    return sampled, num_emitted, pool
+
+
+@functools.cache
+def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
+    """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
+    proposer: the draft tokens are in `batch.token_ids` and `spec.draft_tokens` already, and their `p` is
+    one-hot (a deterministic proposal), so `verify` accepts draft token x with probability q(x) and on a
+    rejection draws from q with x removed. Outputs as `make_spec_step`'s; the pool is donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
+        target = nnx.merge(target_graphdef, target_state)
+        probs = jax.nn.one_hot(spec.draft_tokens, target.cfg.vocab_size, dtype=jnp.float32)  # [S, K, V]
+        return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, probs, attention)
 
     return step

@@ -54,22 +54,28 @@ class SpecArrays:
     """Where the draft tokens of a speculative step go (K = the step's largest draft length).
 
     A row with `num_draft = k` packs its last accepted token followed by `k`
-    placeholder tokens; the device writes the draft tokens into them.
+    placeholder tokens: a device proposer writes its draft tokens into them; a
+    host proposer's tokens are packed there and in `draft_tokens`.
     """
 
     num_draft: np.ndarray  # int32 [S]
     draft_token_index: np.ndarray  # int32 [S, K]; packed index of placeholder j, T where none (dropped)
     verify_indices: np.ndarray  # int32 [S, K+1]; packed index of the last real token, then the placeholders
     draft_slots: np.ndarray  # int32 [K, S]; slot of placeholder j (draft pass j writes there), 0 where none
+    draft_tokens: np.ndarray  # int32 [S, K]; a host proposer's draft tokens, 0 where none
 
 
 def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets: tuple[int, ...],
-         seq_buckets: tuple[int, ...], seeds: dict[str, int], spec_k: int | None = None) -> PackedBatch:
+         seq_buckets: tuple[int, ...], seeds: dict[str, int], spec_k: int | None = None,
+         proposals: dict[str, list[int]] | None = None) -> PackedBatch:
     """Packs `plan` into the smallest (token, sequence) bucket that holds it.
 
     `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
-    `spec_k`: the step runs with a draft model and draft length K (>= every
-    row's `num_draft`); None for a plain step (no row may have draft tokens).
+    `spec_k`: the step verifies draft tokens, K (>= every row's `num_draft`)
+    per row; None for a plain step (no row may have draft tokens).
+    `proposals`: a host proposer's draft tokens per drafting request (exactly
+    `num_draft` each); None leaves the placeholders to a device proposer.
+    Raises ValueError for draft tokens without `spec_k` or a proposal of the wrong length.
     """
     n_seqs = len(plan.seqs)
     T = bucket_for(max(plan.num_tokens, 1), token_buckets)
@@ -92,6 +98,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     draft_token_index = np.full((S, K), T, np.int32)
     verify_indices = np.zeros((S, K + 1), np.int32)
     draft_slots = np.zeros((K, S), np.int32)
+    draft_tokens = np.zeros((S, K), np.int32)
     t = 0
     for i, s in enumerate(plan.seqs):
         r = s.request
@@ -114,6 +121,12 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
             num_draft[i] = k
             draft_token_index[i, :k] = np.arange(last + 1, last + 1 + k)
             draft_slots[:k, i] = slots[-k:]
+            if proposals is not None:
+                proposed = proposals[r.request_id]
+                if len(proposed) != k:
+                    raise ValueError(f"{r.request_id}: {len(proposed)} proposed tokens for {k} draft slots")
+                draft_tokens[i, :k] = proposed
+                token_ids[last + 1:last + 1 + k] = proposed
         verify_indices[i] = last
         verify_indices[i, 1:s.num_draft + 1] = np.arange(last + 1, last + 1 + s.num_draft)
         sp = r.sampling
@@ -123,7 +136,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     query_start_loc[n_seqs + 1:] = t
     spec = None
     if spec_k is not None:
-        spec = SpecArrays(num_draft, draft_token_index, verify_indices, draft_slots)
+        spec = SpecArrays(num_draft, draft_token_index, verify_indices, draft_slots, draft_tokens)
     elif any(s.num_draft for s in plan.seqs):
         raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,

@@ -1,17 +1,37 @@
-"""The native CPU skinny matmul (`cpu_kernels`) against its jnp reference, and the engine with and without it."""
+"""The native CPU kernels (`cpu_kernels`: skinny matmul, paged attention) against their jnp references, and the
+engine with and without them."""
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpu_kernels as ck
 from engine import LLM, SamplingParams
+from pallas_kernels.reference import ragged_paged_attention_reference
+from tests.test_pallas_attention import TOL, make_batch, ragged_batches
 
-pytestmark = pytest.mark.skipif(not ck.available(), reason="the CPU kernel does not build or run on this machine")
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return {"avx2", "fma"} <= flags
+
+
+# Skipped only where the CPU cannot run it; a missing library (the install did not build it) fails.
+pytestmark = pytest.mark.skipif(not _cpu_has_avx2_fma(), reason="the CPU has no AVX2+FMA")
+
+
+def test_install_built_the_library():
+    assert ck.available(), "cpu_kernels/_skinny_matmul*.so is missing: `pip install -e .` builds it"
+    assert ck.cpu_features() in ("avx2", "avx512")
 
 # Relative error bounds against jnp.dot on the same (packed, possibly rounded) weights: only the summation
 # order differs, so fp32-level for every weight dtype (bf16 and int8 rounding is in `unpack`, on both sides).
@@ -92,8 +112,49 @@ def test_int8_draft_keeps_output_exact():
     plain = LLM(target, speculative=None, **LIMITS).generate(PROMPTS, greedy)
     spec = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3,
                draft_kernel_dtype="int8", **LIMITS)
-    target_bytes = spec.engine.runner.packed_bytes - spec.engine.drafter.packed_bytes
-    assert spec.engine.drafter.packed_bytes < target_bytes / 3  # int8 panels: a quarter of fp32
+    target_bytes = spec.engine.runner.packed_bytes - spec.engine.proposer.packed_bytes
+    assert spec.engine.proposer.packed_bytes < target_bytes / 3  # int8 panels: a quarter of fp32
     outs = spec.generate(PROMPTS, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+# ---- paged attention ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=ragged_batches(), D=st.sampled_from([8, 16, 64, 128]))
+def test_paged_attention_equals_reference_inside_jit(case, D):
+    """Ragged decode / prefill / verify rows, padded tokens and sequences, GQA 1..8, f32 and bf16 pools: the native
+    kernel equals the jnp reference (fp32 sums on both; bf16 only rounds the output, within 2e-2)."""
+    (q, k, v, bt, sl, qsl), dtype = case
+    rng = np.random.default_rng(int(sl.sum()))
+    widen = lambda a: jnp.asarray(rng.standard_normal((*a.shape[:-1], D)), a.dtype)  # noqa: E731
+    args = (widen(q), widen(k), widen(v), bt, sl, qsl)
+    got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)), np.float32)
+    want = np.asarray(ragged_paged_attention_reference(*args, 1), np.float32)
+    assert got.shape == want.shape and np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert np.all(got[int(qsl[-1]):] == 0)  # padding tokens
+
+
+def test_paged_attention_rejects_out_of_range_tables():
+    """A block id past the pool raises instead of reading outside it."""
+    q, k, v, bt, sl, qsl = make_batch(0, [1, 2], [20, 9], heads=4, kv_heads=2, head_dim=16, block_size=8)
+    bad = bt.at[0, 1].set(k.shape[1] + 5)
+    with pytest.raises(Exception, match="block table entry out of range"):
+        np.asarray(jax.jit(ck.paged_attention)(q, k, v, bad, sl, qsl, jnp.int32(0)))
+    assert ck.paged_attention_supported(9, 3, 64) and not ck.paged_attention_supported(4, 2, 12)
+
+
+def test_engine_native_attention_equals_reference():
+    """Greedy tokens and logprobs with the native attention (decode, chunked prefill, prefix-cache hits)
+    equal the jnp reference's."""
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = PROMPTS + [PROMPTS[3] + [7, 8, 9]]  # a prefix-cache hit on PROMPTS[3]
+    ref = LLM("tiny-llama", attention="reference", **LIMITS).generate(prompts, sp)
+    native = LLM("tiny-llama", attention="native", **LIMITS).generate(prompts, sp)
+    for a, b in zip(ref, native):
+        assert a.token_ids == b.token_ids
+        for ea, eb in zip(a.logprobs, b.logprobs):
+            np.testing.assert_allclose([ea[t] for t in ea], [eb[t] for t in ea], atol=1e-5)

@@ -69,3 +69,37 @@ def test_pallas_kernel_greedy_equals_reference(llm):
     sp = SamplingParams(temperature=0, max_tokens=8)
     want = [o.token_ids for o in llm.generate(prompts, sp)]
     assert [o.token_ids for o in kernel.generate(prompts, sp)] == want
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_cpu_kernel_greedy_equals_xla_dot(llm, max_num_seqs):
+    """The native CPU matmul (every decode step and verify window) and XLA's dot give the same greedy tokens on
+    20 real prompts, one at a time and 8 at a time, chunked prefill and the prefix cache on."""
+    import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernel does not run on this machine")
+    prompts = _chat_prompts(20)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 256}
+    kernel = llm if max_num_seqs == 8 else LLM(**limits)
+    xla = LLM(matmul="xla", **limits)
+    assert kernel.engine.runner.packed_bytes > 0 and xla.engine.runner.packed_bytes == 0
+    want = [o.token_ids for o in xla.generate(prompts, sp)]
+    assert [o.token_ids for o in kernel.generate(prompts, sp)] == want
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_ngram_speculation_greedy_equals_plain(llm, max_num_seqs):
+    """Prompt-lookup speculation keeps greedy output on 20 real prompts, one at a time and 8 at a time, chunked
+    prefill and the prefix cache on; on these prompts it accepts some of its proposals."""
+    prompts = _chat_prompts(20)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 256}
+    plain = llm if max_num_seqs == 8 else LLM(speculative=None, **limits)
+    ngram = LLM(speculative="ngram", **limits)
+    assert ngram.engine.proposer.kind == "ngram"
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    outs = ngram.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.num_accepted_tokens for o in outs) > 0

@@ -108,7 +108,7 @@ def test_speculative_greedy_equals_alone(model, prompts, alone, early_exit, batc
     n = 24 if batch > 1 else 20
     llm = LLM(model, speculative="draft", draft_model=early_exit, num_speculative_tokens=3, max_num_seqs=batch,
               max_num_batched_tokens=32, num_blocks=POOL)
-    llm.engine.drafter.config.min_acceptance = 0.0
+    llm.engine.proposer.config.min_acceptance = 0.0
     outs = _run(llm, prompts[:n], first_wave=batch)
     assert [o.token_ids for o in outs] == alone[:n]
     assert sum(o.num_cached_tokens > 0 for o in outs) >= n - batch - 2  # the shared system prompt hit the cache

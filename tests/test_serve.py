@@ -512,3 +512,21 @@ def test_speculative_server_reports_acceptance_and_matches_offline():
             assert capped.usage.acceptance_rate == 1.0 and len(capped.token_ids) == 12
     finally:
         s.stop()
+
+
+def test_ngram_server_lists_its_kind_and_matches_offline():
+    llm = LLM("tiny-llama", speculative="ngram", num_speculative_tokens=3, **LIMITS)
+    s = ServerThread(llm)
+    try:
+        with Client(s.target) as c:
+            assert list(c.model_info().speculation_kinds) == ["ngram"]
+            prompt = [40, 41, 42, 43] * 5  # repeats: the lookup proposes
+            kw = dict(temperature=0, max_tokens=12, ignore_eos=True)
+            got = c.generate(prompt, **kw)
+            want = _offline(s, llm, [prompt], SamplingParams(**kw))[0]
+            assert got.token_ids == want.token_ids and got.usage.HasField("acceptance_rate")
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, speculation=True, speculation_kind="draft", **kw)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'draft' is not available" in e.value.details()
+    finally:
+        s.stop()

@@ -20,7 +20,7 @@ from checkpoints import LoadedModel, Tokenizer
 from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
 from engine.sampler import filter_logits
-from engine.drafter import AdaptiveSpeculation, SpeculationConfig
+from engine.proposers import AdaptiveSpeculation, SpeculationConfig
 from model.config import get_preset
 from model.llama import Llama
 from scheduler.request import InvalidRequestError, SamplingParams
@@ -91,7 +91,7 @@ def test_mixed_batch_with_and_without_speculation(plain, spec):
     assert [o.num_draft_tokens == 0 for o in outs] == [True, False, False, False, False, True]
     with pytest.raises(InvalidRequestError, match="exceeds the engine's 3"):
         spec.add_request([5], dataclasses.replace(greedy, num_speculative_tokens=4))
-    with pytest.raises(InvalidRequestError, match="no draft model"):
+    with pytest.raises(InvalidRequestError, match="no proposer"):
         plain.add_request([5], dataclasses.replace(greedy, num_speculative_tokens=2))
 
 
@@ -217,7 +217,7 @@ def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     greedy = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
     outs = _run(engine, PROMPTS[:3], greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
-    assert engine.drafter.policy.class_k("default") == 0
+    assert engine.proposer.policy.class_k("default") == 0
     assert all(o.num_draft_tokens < 4 * 4 for o in outs)  # off after a few verify steps
     assert {4, 1} <= set(ks) <= {None, 0, 1, 2, 4}  # the ladder's programs ran as K halved
     # Once off, steps run the target alone (the draft is skipped) and the requests stay off.
@@ -250,4 +250,4 @@ def test_samples_of_an_n_request_keep_its_class(spec):
     spec.add_request(PROMPTS[1], sp, request_class="n-class")
     while spec.has_unfinished():
         spec.step()
-    assert spec.drafter.policy.classes["n-class"].good > 0  # the samples' verify steps were counted for the class
+    assert spec.proposer.policy.classes["n-class"].good > 0  # the samples' verify steps were counted for the class

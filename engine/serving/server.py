@@ -230,7 +230,8 @@ class GenerationServicer:
         _check_request(request)
 
     def _speculation_kinds(self) -> list[str]:
-        return ["draft"] if self.worker.engine.drafter is not None else []
+        proposer = self.worker.engine.proposer
+        return [proposer.kind] if proposer is not None else []
 
     def _speculation(self, spec: pb.Speculation) -> int | None:
         """The request's `num_speculative_tokens` (None: the engine's choice); raises _BadRequest."""
@@ -238,7 +239,7 @@ class GenerationServicer:
             return 0
         kinds = self._speculation_kinds()
         if not kinds:
-            raise _BadRequest("speculation is not available for this model: the server has no draft model "
+            raise _BadRequest("speculation is not available for this model: the server has no proposer "
                               "(ModelInfo.speculation_kinds is empty)")
         if spec.kind and spec.kind not in kinds:
             raise _BadRequest(f"speculation kind {spec.kind!r} is not available; this server has {kinds}")

@@ -1,0 +1,354 @@
+"""Proposers: where draft tokens come from, and the adaptive policy choosing how many (K).
+
+A `Proposer` is the one optional object the engine loop talks to about
+speculation: how many draft tokens a request wants at its next decode step
+(`draft_len`, passed to `Scheduler.schedule`), which step program a planned
+step needs (`step_k`), the draft tokens of a host proposer (`proposals`), and
+what each verify step accepted (`record`). Every proposer hands the verify
+step (`engine.verify.verify`) its tokens and the distribution `p` they were
+drawn from, so the output follows the target's distribution exactly:
+
+- `DraftModelProposer`: a standalone draft model, run on the device inside
+  the step program (`engine.speculative.make_spec_step`); its KV pool sits
+  beside the target's in the runner, indexed by the same block tables.
+- `NgramProposer`: prompt lookup on the host (no model); its `p` is one-hot,
+  so a draft token is accepted with probability q(x)
+  (`engine.speculative.make_verify_step`).
+
+Sources: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling and the
+per-token acceptance rate alpha; Saxena 2023, *Prompt Lookup Decoding*, and
+vLLM's n-gram speculator for prompt lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from engine.step import build_model
+from scheduler.request import InvalidRequestError, Request
+from scheduler.scheduler import StepPlan
+
+
+@dataclasses.dataclass
+class SpeculationConfig:
+    """Speculation settings: K, adaptive K per request class and per request, and the proposer.
+
+    num_speculative_tokens: K when speculation pays (the top of the ladder
+      K, K/2, ..., 1 of compiled draft lengths).
+    min_acceptance: when a running acceptance rate (of a request or of its
+      class) is below this, K is halved, down to 0 (off).
+    ema_decay: weight of the past in the running averages, per verify step.
+    retry_after_steps: a class switched off is retried at K = 1 after this many
+      engine steps (twice as long after each failed retry), on the requests
+      that arrive then.
+    prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
+      longest first.
+    method: the proposer, "draft" (a draft model) or "ngram" (prompt lookup).
+    """
+
+    num_speculative_tokens: int = 4
+    min_acceptance: float = 0.5
+    ema_decay: float = 0.5
+    retry_after_steps: int = 200
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    method: str = "draft"
+
+    def __post_init__(self):
+        if self.method not in ("draft", "ngram"):
+            raise ValueError(f"speculation method must be 'draft' or 'ngram', got {self.method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
+            raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """The draft lengths a step program is compiled for: K, K/2, ..., 1 (ascending)."""
+        ks, k = [], self.num_speculative_tokens
+        while k:
+            ks.append(k)
+            k //= 2
+        return tuple(reversed(ks))
+
+
+@dataclasses.dataclass
+class _Rate:
+    """A running acceptance rate and the K it currently allows."""
+
+    k: int
+    rate: float = 1.0  # optimistic start: speculation is tried first
+    off_since: int = 0  # engine step of the last halving (read once k is 0)
+    good: int = 0  # verify steps at this K with the rate at or above the threshold
+    failed_retries: int = 0  # retries in a row that ended off again
+
+
+# A class's K climbs one ladder step after this many verify steps in a row at or above the threshold.
+GROW_AFTER = 4
+# The wait before a retry doubles with each failed retry, up to this factor.
+MAX_BACKOFF = 64
+
+
+class AdaptiveSpeculation:
+    """Per-class and per-request acceptance rates (running averages) and each request's K.
+
+    The rate of a verify step is accepted / tried draft tokens, where tried
+    stops at the first rejection (min(num_draft, accepted + 1)): an estimate
+    of the per-token acceptance probability alpha of Leviathan et al. 2023
+    (§3.1) that does not depend on K, so one threshold serves every K.
+    Whenever a rate is below `min_acceptance` its K halves (no optimistic
+    reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
+    steps); after `GROW_AFTER` verify steps in a row at or above it, a
+    class's K climbs the ladder again, up to `num_speculative_tokens`. A class at 0
+    retries at K = 1 (the cheapest verify) after `retry_after_steps`, twice
+    as long after each retry that ends off again (exponential backoff, as
+    in TCP's retransmission timer). A request at 0 stays off (its draft KV
+    is no longer kept up to date).
+
+    An unseeded request drafts min(class K, own K). A seeded request drafts
+    its own K only, so its output depends on its own history alone.
+    """
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.classes: dict[str, _Rate] = {}
+        self.requests: dict[str, _Rate] = {}
+
+    def _class(self, name: str) -> _Rate:
+        return self.classes.setdefault(name, _Rate(self.config.num_speculative_tokens))
+
+    def class_k(self, request_class: str) -> int:
+        return self._class(request_class).k
+
+    def request_rate(self, request_id: str) -> float | None:
+        r = self.requests.get(request_id)
+        return None if r is None else r.rate
+
+    def k_for(self, request_id: str, request_class: str, requested: int | None, step: int,
+              seeded: bool = False) -> int:
+        """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
+        c = self.config
+        own = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens))
+        k = own.k
+        if not seeded:
+            cls = self._class(request_class)
+            wait = c.retry_after_steps * min(2 ** cls.failed_retries, MAX_BACKOFF)
+            if cls.k == 0 and c.num_speculative_tokens and step - cls.off_since >= wait:
+                cls.k, cls.rate, cls.good = 1, 1.0, 0  # retry
+                cls.failed_retries += 1  # until it grows back to the top
+            k = min(k, cls.k)
+        return min(k, c.num_speculative_tokens if requested is None else requested)
+
+    def update(self, request_id: str, request_class: str, num_draft: int, num_accepted: int, step: int) -> None:
+        """Records one verify step's outcome: halves K where a running rate fell below the threshold
+        and raises the class's K after a run of good steps."""
+        if num_draft == 0:
+            return
+        c = self.config
+        tried = min(num_draft, num_accepted + 1)
+        own, cls = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens)), self._class(request_class)
+        for r in (own, cls):
+            r.rate = c.ema_decay * r.rate + (1 - c.ema_decay) * num_accepted / tried
+            if r.rate < c.min_acceptance:
+                r.good = 0
+                if r.k > 0:
+                    r.k //= 2
+                    r.off_since = step
+            else:
+                r.good += 1
+        if cls.good >= GROW_AFTER and 0 < cls.k < c.num_speculative_tokens:
+            cls.k, cls.good = min(k for k in c.ladder if k > cls.k), 0
+            if cls.k == c.num_speculative_tokens:
+                cls.failed_retries = 0
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+class Proposer:
+    """What the engine loop needs from any proposer; the adaptive policy is shared.
+
+    `kind` names it (ModelInfo, metrics); `on_device` says whether it runs inside
+    the step program (then `model_config` is the draft model's, whose KV pool
+    the runner keeps) or on the host (then `proposals` gives its tokens).
+    """
+
+    kind = ""
+    on_device = False
+    model_config = None
+    packed_bytes = 0
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.policy = AdaptiveSpeculation(config)
+
+    def validate(self, requested: int | None) -> None:
+        """Raises InvalidRequestError if a request asks for more draft tokens than the engine compiles."""
+        if requested is not None and requested > self.config.num_speculative_tokens:
+            raise InvalidRequestError(f"num_speculative_tokens={requested} exceeds the engine's "
+                                      f"{self.config.num_speculative_tokens}")
+
+    def policy_k(self, request: Request, step: int) -> int:
+        return self.policy.k_for(request.request_id, request.request_class, request.sampling.num_speculative_tokens,
+                                 step, seeded=request.sampling.seed is not None)
+
+    def draft_len(self, request: Request, step: int) -> int:
+        """The draft length `request` wants at engine step `step`."""
+        return self.policy_k(request, step)
+
+    def step_k(self, plan: StepPlan, step: int) -> int | None:
+        """The step's program: None (target only) or a ladder K >= every row's draft length."""
+        drafted = max(s.num_draft for s in plan.seqs)
+        return min(k for k in self.config.ladder if k >= drafted) if drafted else None
+
+    def proposals(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        """A host proposer's draft tokens for each drafting row of `plan` (None for a device proposer)."""
+        return None
+
+    def record(self, request: Request, num_draft: int, num_accepted: int, step: int) -> None:
+        """One verify step's outcome for `request` (adapts K for it and its class)."""
+        self.policy.update(request.request_id, request.request_class, num_draft, num_accepted, step)
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """The samples of an n > 1 request start from its state."""
+        self.forget(parent.request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.policy.forget(request_id)
+
+
+class DraftModelProposer(Proposer):
+    """A standalone draft model (same vocabulary as the target), run inside the step program.
+
+    Args:
+      draft: a `checkpoints.LoadedModel` with the target's vocabulary.
+      config: K and the adaptive-speculation settings.
+      vocab_size: the target's vocabulary size.
+      engine_config: the engine's config (the CPU kernel settings).
+    Raises:
+      ValueError: the draft's vocabulary differs from the target's.
+    """
+
+    kind = "draft"
+    on_device = True
+
+    def __init__(self, draft, config: SpeculationConfig, vocab_size: int, engine_config):
+        if draft.config.vocab_size != vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) differs from the target's "
+                             f"({vocab_size})")
+        super().__init__(config)
+        self.model_config = draft.config
+        self.graphdef, self.state, self.packed_bytes = build_model(draft, engine_config,
+                                                                   engine_config.draft_kernel_dtype)
+        # Requests whose draft KV fell behind (a step ran without the draft): they never draft again.
+        self._behind: set[str] = set()
+
+    def draft_len(self, request: Request, step: int) -> int:
+        """0 once the request's draft KV fell behind, else the policy's K."""
+        if request.request_id in self._behind:
+            return 0
+        return self.policy_k(request, step)
+
+    def step_k(self, plan: StepPlan, step: int) -> int | None:
+        """None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
+
+        When no request in the step will speculate, the draft is skipped: speculation that was
+        switched off then costs nothing, and those requests' draft KV falls behind for good. Their
+        blocks hold no draft KV either, so a later request that reuses them through the prefix
+        cache drafts from an incomplete context: fewer tokens accepted, the output unchanged.
+        """
+        k = super().step_k(plan, step)
+        if k is not None:
+            return k
+        if any(self.draft_len(s.request, step) for s in plan.seqs):
+            return 0
+        self._behind.update(s.request.request_id for s in plan.seqs)
+        return None
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """The samples share the parent's blocks, so they inherit its draft KV state."""
+        if parent.request_id in self._behind:
+            self._behind.update(c.request_id for c in children)
+        super().fork(parent, children)
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._behind.discard(request_id)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: propose what followed the latest earlier occurrence of the context's last n tokens.
+
+    For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n
+    tokens of the request's prompt + output are searched for earlier in it;
+    the first n with a match proposes the (up to K) tokens that followed it,
+    taking the latest match among those with the longest continuation. No
+    model: it pays where the output copies its input (summaries, code edits,
+    retrieval-augmented answers) and costs nothing where nothing matches (the
+    row then decodes plainly). The lookup is vectorized over the context with
+    numpy; each request's context is kept as a growing array.
+    """
+
+    kind = "ngram"
+
+    def __init__(self, config: SpeculationConfig):
+        super().__init__(config)
+        self._context: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
+        self._proposed: dict[str, list[int]] = {}  # request id -> the lookup of its latest draft_len
+
+    def draft_len(self, request: Request, step: int) -> int:
+        k = self.policy_k(request, step)
+        tokens = lookup(self._tokens(request), k, self.config.prompt_lookup_max,
+                        self.config.prompt_lookup_min) if k else []
+        self._proposed[request.request_id] = tokens
+        return len(tokens)
+
+    def proposals(self, plan: StepPlan) -> dict[str, list[int]]:
+        return {s.request.request_id: self._proposed[s.request.request_id][:s.num_draft]
+                for s in plan.seqs if s.num_draft}
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._context.pop(request_id, None)
+        self._proposed.pop(request_id, None)
+
+    def _tokens(self, request: Request) -> np.ndarray:
+        """The request's prompt + output as int32, appending only what is new since the last call."""
+        buf, n = self._context.get(request.request_id, (np.zeros(0, np.int32), 0))
+        total = request.num_tokens
+        if total < n:  # cannot shrink in practice; start over if it did
+            buf, n = np.zeros(0, np.int32), 0
+        if total > len(buf):
+            grown = np.zeros(max(total, 2 * len(buf), 64), np.int32)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = request.token_ids(n, total)
+        self._context[request.request_id] = (buf, total)
+        return buf[:total]
+
+
+def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to `k` tokens that followed an earlier occurrence of the last n tokens of `context`.
+
+    Args:
+      context: int `[L]`, prompt + output so far.
+      k: most tokens to propose (>= 1).
+      max_n, min_n: n-gram sizes, tried from `max_n` down to `min_n`.
+    Returns:
+      The proposal (possibly empty): for the largest n with a match, the
+      continuation of the latest match among those with the most tokens after
+      them (at most `k`).
+    """
+    L = len(context)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # starts 0 .. L-1-n
+        hits = np.flatnonzero((windows == context[L - n:]).all(axis=1))
+        if hits.size:
+            follow = np.minimum(k, L - (hits + n))
+            start = hits[np.flatnonzero(follow == follow.max())[-1]] + n
+            return context[start:start + k].tolist()
+    return []

@@ -1,0 +1,107 @@
+"""The n-gram (prompt lookup) proposer: the lookup itself, exact output in the engine, packing of host proposals."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.proposers import SpeculationConfig, lookup
+from scheduler.request import SamplingParams
+from tests.test_speculative import _chi2_pvalue, _exact_joint, _model, _run
+
+NGRAM = SpeculationConfig(3, min_acceptance=0.0, method="ngram")
+
+
+@pytest.mark.parametrize("context,k,want", [
+    ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),  # the 2-gram [1, 2] occurred at 0
+    ([5, 6, 7, 5, 6, 8, 5, 6], 2, [8, 5]),  # two full continuations: the latest wins
+    ([5, 6, 7, 9, 5, 6, 5, 6], 3, [7, 9, 5]),  # the latest match ([5, 6] at 4) has 2 tokens after it; 0 has 3
+    ([1, 2, 1, 2], 4, [1, 2]),  # continuation cut by the context's end
+    ([9, 8, 7, 1, 2, 3, 9, 1, 2, 3], 2, [9, 1]),  # longest n first: [1, 2, 3] beats the later [3]
+    ([1, 2, 3], 2, []),  # nothing repeats
+    ([4], 2, []),
+])
+def test_lookup(context, k, want):
+    assert lookup(np.asarray(context, np.int32), k, max_n=3, min_n=1) == want
+
+
+def test_lookup_respects_min_n():
+    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=2) == []
+    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=1) == [1, 2]
+
+
+PROMPTS = [[3, 4, 5, 6] * 4, list(range(3, 20)) * 2, [7] * 5, list(range(3, 40)), [9, 10, 11] * 12 + [9, 10]]
+CFG = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _model(scale=4.0)
+
+
+def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(target):
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(Engine(target, CFG), PROMPTS, greedy)]
+    ngram = Engine(target, CFG, speculation=NGRAM)
+    assert ngram.runner.pools[1:] == ()  # no draft model, no second pool
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = _run(ngram, PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == want
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert any(o.num_draft_tokens > o.num_accepted_tokens for o in outs)  # rejections happen too
+    assert ngram.blocks.num_free_blocks == ngram.blocks.num_usable_blocks
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
+                         ids=["t1", "t0.7-top_p0.9"])
+def test_first_three_tokens_follow_the_target_exactly(sp):
+    """As the draft-model test (tests/test_speculative.py), with one-hot proposals from the prompt: N = 3000 seeded
+    requests over a vocabulary of 8 (512 joint outcomes), chi-square at the 0.001 level against the exact joint."""
+    target = _model(vocab_size=8, seed=0, scale=8.0)
+    engine = Engine(target, EngineConfig(num_blocks=300, block_size=4, max_num_seqs=64, max_num_batched_tokens=256),
+                    speculation=dataclasses.replace(NGRAM, num_speculative_tokens=2))
+    prompt = [1, 5, 2, 0, 3, 4, 6, 7, 1, 5]  # every token of the vocabulary occurs: a proposal at each step
+    N = 3000
+    outs = _run(engine, [prompt] * N, [dataclasses.replace(sp, seed=i, max_tokens=3, ignore_eos=True)
+                                       for i in range(N)])
+    counts = np.zeros((8, 8, 8))
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    drafted = sum(o.num_draft_tokens for o in outs)
+    accepted = sum(o.num_accepted_tokens for o in outs)
+    assert drafted >= N and 0.05 < accepted / drafted < 0.95  # verify accepted and rejected many
+    assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
+
+
+def test_host_proposals_are_packed_into_the_verify_window(target):
+    """Each drafting row's proposal is in the packed tokens right after its last accepted token, and in
+    `spec.draft_tokens`; a proposal that does not fill the row's draft slots is refused."""
+    engine = Engine(target, CFG, speculation=NGRAM)
+    calls = []
+    pack = engine.runner.pack
+
+    refused = []
+
+    def recording_pack(plan, seeds, spec_k=None, proposals=None):
+        if proposals and not refused:
+            rid = next(iter(proposals))
+            with pytest.raises(ValueError, match="proposed tokens for") as e:
+                pack(plan, seeds, spec_k, {**proposals, rid: proposals[rid] + [1]})
+            refused.append(e)
+        packed = pack(plan, seeds, spec_k, proposals)
+        calls.append((plan, seeds, spec_k, proposals, packed))
+        return packed
+
+    engine.runner.pack = recording_pack
+    _run(engine, PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2)
+    drafting = [c for c in calls if c[3]]
+    assert drafting
+    for plan, seeds, K, proposals, packed in drafting:
+        for i, s in enumerate(plan.seqs):
+            want = proposals.get(s.request.request_id, [])
+            assert len(want) == s.num_draft <= K
+            assert packed.spec.draft_tokens[i, :s.num_draft].tolist() == want
+            last = packed.logits_indices[i]
+            assert packed.token_ids[last + 1:last + 1 + s.num_draft].tolist() == want
+    assert refused
