@@ -61,6 +61,9 @@ flags.DEFINE_bool("skip_transformers", False, "Skip the Hugging Face transformer
 flags.DEFINE_integer("copy_mb", 512, "Size of each array in the bandwidth measurement, MiB (>= 256).")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weight dtype (transformers stays fp32).")
 flags.DEFINE_enum("matmul", "auto", ["auto", "xla"], "Engine products over few tokens: the CPU kernel or XLA's dot.")
+flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
+                  "Weights the CPU kernel streams (default: the model's dtype).")
+flags.DEFINE_enum("attention", "auto", ["auto", "reference", "native"], "Engine paged attention on CPU.")
 flags.DEFINE_bool("breakdown", True, "Also time the pieces of an engine decode step (host vs device).")
 
 FALLBACK_PROMPTS = [
@@ -338,7 +341,8 @@ def main(argv):
     chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
     long_text = (read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0]
 
-    llm = LLM(dtype=FLAGS.dtype, matmul=FLAGS.matmul, max_num_batched_tokens=max(512, FLAGS.prefill_len),
+    llm = LLM(dtype=FLAGS.dtype, matmul=FLAGS.matmul, kernel_dtype=FLAGS.kernel_dtype, attention=FLAGS.attention,
+              max_num_batched_tokens=max(512, FLAGS.prefill_len),
               max_num_seqs=max(64, max(batch_sizes)))
     engine = llm.engine
     prompt_ids = [llm.encode([{"role": "user", "content": p}]) for p in chat]
@@ -431,6 +435,7 @@ def main(argv):
     runtime = time.perf_counter() - t_start
     cpus = os.cpu_count()
     print(f"# Decode throughput — SmolLM2-135M-Instruct {FLAGS.dtype}, matmul {FLAGS.matmul} "
+          f"(kernel weights {FLAGS.kernel_dtype or FLAGS.dtype}), attention {FLAGS.attention} "
           f"({n_params / 1e6:.1f}M params), CPU")
     print()
     print(f"date {datetime.datetime.now().isoformat(timespec='seconds')} | host {platform.node()} | "

@@ -250,8 +250,7 @@ class Engine:
             if s.num_draft:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
-                self.stats.num_draft_tokens += s.num_draft
-                self.stats.num_accepted_tokens += accepted[i]
+                self.stats.add_verify(s.num_draft, accepted[i])
                 self.proposer.record(r, s.num_draft, accepted[i], self.num_steps)
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()

@@ -69,16 +69,52 @@ class StepTiming:
 
 @dataclasses.dataclass
 class EngineStats:
-    """Totals over an engine's life: steps that ran a program, draft tokens, seconds per phase."""
+    """Totals over an engine's life: steps that ran a program, draft tokens, seconds per phase.
+
+    A verify is one row of one step that checked at least one draft token;
+    `drafted_at[i]` / `accepted_at[i]` count the verifies that proposed /
+    accepted a draft token at window position i (0-based).
+    """
 
     num_steps: int = 0
-    num_draft_tokens: int = 0  # proposed by the draft, all requests
+    num_draft_tokens: int = 0  # proposed, all requests
     num_accepted_tokens: int = 0
+    num_verifies: int = 0
+    drafted_at: list[int] = dataclasses.field(default_factory=list)
+    accepted_at: list[int] = dataclasses.field(default_factory=list)
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def add(self, timing: StepTiming) -> None:
         for p in PHASES:
             self.seconds[p] += getattr(timing, p)
+
+    def add_verify(self, num_draft: int, num_accepted: int) -> None:
+        """One row's verify: `num_draft` proposed, the first `num_accepted` of them accepted."""
+        grow = num_draft - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(num_draft):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < num_accepted
+        self.num_verifies += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (None before any proposal)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens a verify emits: accepted draft tokens plus the correction or bonus token."""
+        return 1 + self.num_accepted_tokens / self.num_verifies if self.num_verifies else None
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        """Per window position i: the fraction of verifies proposing a token there that accepted it."""
+        return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
 
     @property
     def device_seconds(self) -> float:

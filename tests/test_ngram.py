@@ -51,6 +51,10 @@ def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(target):
     assert sum(o.num_accepted_tokens for o in outs) > 0
     assert any(o.num_draft_tokens > o.num_accepted_tokens for o in outs)  # rejections happen too
     assert ngram.blocks.num_free_blocks == ngram.blocks.num_usable_blocks
+    st = ngram.stats  # per-position counts add up, and position i is accepted only after position i - 1
+    assert sum(st.drafted_at) == st.num_draft_tokens and sum(st.accepted_at) == st.num_accepted_tokens
+    assert all(a >= b for a, b in zip(st.accepted_at, st.accepted_at[1:])) and st.drafted_at[0] == st.num_verifies
+    assert st.acceptance_length == 1 + st.num_accepted_tokens / st.num_verifies
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],

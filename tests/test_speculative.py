@@ -114,6 +114,9 @@ def test_finishing_inside_an_accepted_run_matches_the_plain_run(target):
         assert got.acceptance_rate in (None, 1.0)
     assert len(_run(same, [prompt], [cases[2]])[0].token_ids) == 6
     assert same.blocks.num_free_blocks == same.blocks.num_usable_blocks
+    stats = same.stats
+    assert stats.position_acceptance == [1.0, 1.0, 1.0] and stats.acceptance_rate == 1.0
+    assert stats.acceptance_length == 1 + stats.num_draft_tokens / stats.num_verifies
 
 
 def _exact_joint(model, prompt, sp, n=3):

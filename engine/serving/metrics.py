@@ -55,6 +55,11 @@ class Metrics:
         # 0 while nothing was proposed (no draft model, or speculation off).
         self.acceptance_rate = prom.Gauge("engine_spec_acceptance_rate",
                                           "Accepted / proposed draft tokens since start.", registry=r)
+        self.acceptance_length = prom.Gauge("engine_spec_acceptance_length",
+                                            "Mean tokens emitted per verify (accepted + 1) since start.", registry=r)
+        self.position_acceptance = prom.Gauge(
+            "engine_spec_position_acceptance", "Per draft position: accepted / proposed there since start.",
+            ["position"], registry=r)
         prom.Gauge("engine_compilations", "XLA programs compiled by this process.",
                    registry=r).set_function(compilation_count)
         prom.Gauge("engine_generation_tokens_per_second",
@@ -83,7 +88,10 @@ class Metrics:
         self.kv_blocks_in_use.set(blocks.num_usable_blocks - blocks.num_free_blocks)
         stats = engine.stats
         if stats.num_draft_tokens:
-            self.acceptance_rate.set(stats.num_accepted_tokens / stats.num_draft_tokens)
+            self.acceptance_rate.set(stats.acceptance_rate)
+            self.acceptance_length.set(stats.acceptance_length)
+            for i, rate in enumerate(stats.position_acceptance):
+                self.position_acceptance.labels(str(i)).set(rate)
 
     def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
         self.finished.labels(reason).inc()
