@@ -349,8 +349,9 @@ def main(argv):
     long_ids = llm.tokenizer.encode(long_text)[:FLAGS.prefill_len]
     if len(long_ids) < FLAGS.prefill_len:
         long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
-    # The weights a decode step reads once: the model's own, not the CPU kernel's packed copies beside them.
-    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state)) - engine.runner.packed_bytes
+    # The weights a decode step reads once: the CPU kernel's packed copies when it runs (in their dtype), else
+    # the model's own.
+    weight_bytes = engine.runner.packed_bytes or sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
     n_params = engine.model_config.num_params
 
     monitor = CpuMonitor()
@@ -483,8 +484,10 @@ def main(argv):
           "best of several copies, measured at the start and at the end of the run: "
           + ", ".join(f"{k} {bw_start[k] / 1e9:.1f} / {bw_end[k] / 1e9:.1f} GB/s" for k in bw)
           + f" -> BW = {bw_best / 1e9:.1f} GB/s (the best)")
-    print(f"  weight bytes/token = all {n_params / 1e6:.2f}M parameters x 4 B (fp32; tied embedding read once "
-          f"as LM head) = {weight_bytes / 1e6:.1f} MB")
+    read = (f"the CPU kernel's packed weights ({FLAGS.kernel_dtype or FLAGS.dtype}, every projection and the LM "
+            "head, padded to panels of 16 columns)" if engine.runner.packed_bytes else
+            f"all {n_params / 1e6:.2f}M parameters ({FLAGS.dtype}; tied embedding read once as LM head)")
+    print(f"  weight bytes/token = {read} = {weight_bytes / 1e6:.1f} MB")
     print(f"  roofline tok/s (batch 1) = BW / weight bytes/token = {bw_best / 1e9:.1f} GB/s / "
           f"{weight_bytes / 1e6:.1f} MB = {roofline_tps:.1f} tok/s "
           f"(= {1e3 / roofline_tps:.1f} ms/step; batch b reads the weights once per step: b x that)")

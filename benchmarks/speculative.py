@@ -74,7 +74,15 @@ def _decode(llm, prompts):
     """Returns (tokens/s, ms per step, tokens per step, acceptance rate or None) over the timed steps."""
     from engine import SamplingParams
 
+    from scheduler.packing import bucket_for
+
     engine = llm.engine
+    # Compile every decode shape the run can take (each draft length of the ladder), so none is timed.
+    runner, b = engine.runner, len(prompts)
+    S = bucket_for(b, runner.seq_buckets)
+    widest = bucket_for(b * (1 + max(k for k in runner.spec_ks if k is not None) if len(runner.spec_ks) > 1 else b),
+                        runner.token_buckets)
+    engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
     sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
     ids = [engine.add_request(p, sp).request_id for p in prompts]
     outs, steps, tokens, elapsed, untimed = {}, 0, 0, 0.0, 2

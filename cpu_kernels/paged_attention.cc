@@ -3,11 +3,12 @@
 //
 // Query token t of sequence s (query length n_s, KV length seq_lens[s]) sits at position
 // p = seq_lens[s] - n_s + (t - query_start_loc[s]) and attends causally to KV positions 0..p, read from the
-// pool through row s of the block table (this step's own K/V are already written there). One work item is a
-// (token, KV head) pair: the G = H / K query heads of that KV head share each K and V row as it is loaded.
-// The context is walked in tiles of 32 positions with an online softmax (Milakov & Gimelshein 2018;
-// FlashAttention, Dao et al. 2022, §3.1): scores for the tile, a running max and sum per head, the
-// accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
+// pool through row s of the block table (this step's own K/V are already written there). One work item is
+// up to 4 consecutive query tokens of one sequence and one KV head: its rows (tokens x the G = H / K query
+// heads of that KV head) share each K and V row, converted to f32 once per tile of 32 context positions.
+// The tiles are walked with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
+// §3.1): scores 8 positions at a time (8 independent FMA chains, one transposing reduction), a running max
+// and sum per row, the accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
 // relative error below 2e-7). Accumulation is float32; the pool is float32 or bfloat16.
 //
 // Requires AVX2 + FMA (the library's Python side only registers it when the CPU has them) and D % 8 == 0.
@@ -29,9 +30,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTile = 32;     // context positions per online-softmax step
-constexpr int64_t kMaxG = 16;     // query heads per KV head
-constexpr int64_t kMaxD = 256;    // head dim
+constexpr int64_t kTile = 32;   // context positions per online-softmax step (a multiple of 8)
+constexpr int64_t kTileQ = 4;   // query tokens of one sequence per work item
+constexpr int64_t kMaxG = 16;   // query heads per KV head
+constexpr int64_t kMaxD = 256;  // head dim
+constexpr int64_t kMaxRows = kTileQ * kMaxG;
 
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -73,67 +76,94 @@ struct Layout {
   float scale;
 };
 
-// One (token, KV head): out[g, :] for the G query heads of KV head kh.
+// The sums of 8 vectors, one per lane: out[j] = sum of a[j]'s 8 lanes.
+__attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Rows of one work item: up to kTileQ consecutive query tokens of one sequence x the G query heads of one
+// KV head. Each K/V row of the context is converted to f32 once per tile and used by every row.
+struct Rows {
+  int64_t n = 0;
+  const float* q[kMaxRows];
+  float* out[kMaxRows];
+  int64_t limit[kMaxRows];  // KV positions the row attends to (its causal limit)
+};
+
 template <typename KV>
-__attribute__((target("avx2,fma"))) void attend(const Layout& L, const float* q, const KV* k_layer,
-                                                const KV* v_layer, const int32_t* table, int64_t n_ctx, int64_t kh,
-                                                float* out) {
-  const int64_t G = L.G, D = L.D, Dv = D / 8;
-  alignas(32) float s[kMaxG][kTile];
-  __m256 acc[kMaxG][kMaxD / 8];
-  float m[kMaxG], l[kMaxG];
-  for (int64_t g = 0; g < G; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-    for (int64_t d = 0; d < Dv; ++d) acc[g][d] = _mm256_setzero_ps();
+__attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, const KV* k_layer,
+                                                const KV* v_layer, const int32_t* table, int64_t kh) {
+  const int64_t D = L.D, Dv = D / 8, row = L.Kh * D;  // elements per pool slot
+  alignas(32) static thread_local float kbuf[kTile * kMaxD], vbuf[kTile * kMaxD];
+  alignas(32) static thread_local float s[kMaxRows][kTile], acc[kMaxRows][kMaxD];
+  float m[kMaxRows], l[kMaxRows];
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R.n; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+    std::fill(acc[r], acc[r] + D, 0.f);
+    longest = std::max(longest, R.limit[r]);
   }
-  const int64_t row = L.Kh * D;  // elements per pool slot
-  for (int64_t j0 = 0; j0 < n_ctx; j0 += kTile) {
-    const int64_t n = std::min(kTile, n_ctx - j0);
-    const KV* krow[kTile];
-    const KV* vrow[kTile];
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+    const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
-      krow[jj] = k_layer + slot * row + kh * D;
-      vrow[jj] = v_layer + slot * row + kh * D;
-    }
-    for (int64_t jj = 0; jj < n; ++jj) {
-      __m256 kv[kMaxD / 8];
-      for (int64_t d = 0; d < Dv; ++d) kv[d] = load8(krow[jj] + 8 * d);
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < Dv; ++d) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * d), kv[d], a);
-        s[g][jj] = hsum(a) * L.scale;
+      const KV* kp = k_layer + slot * row + kh * D;
+      const KV* vp = v_layer + slot * row + kh * D;
+      for (int64_t d = 0; d < Dv; ++d) {
+        _mm256_store_ps(kbuf + jj * D + 8 * d, load8(kp + 8 * d));
+        _mm256_store_ps(vbuf + jj * D + 8 * d, load8(vp + 8 * d));
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      float tile_max = s[g][0];
-      for (int64_t jj = 1; jj < n; ++jj) tile_max = std::max(tile_max, s[g][jj]);
-      const float m_new = std::max(m[g], tile_max);
-      for (int64_t jj = n; jj < kTile; ++jj) s[g][jj] = -std::numeric_limits<float>::infinity();
-      __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(m_new);
+    for (int64_t jj = n; jj < (n + 7) / 8 * 8; ++jj) std::fill(kbuf + jj * D, kbuf + (jj + 1) * D, 0.f);
+    for (int64_t r = 0; r < R.n; ++r) {
+      const int64_t valid = std::min(n, R.limit[r] - j0);  // >= 1 while the row has context left
+      if (valid <= 0) continue;
+      // Scores, 8 positions at a time: 8 independent FMA chains, then one transposing reduction.
+      const __m256 scale = _mm256_set1_ps(L.scale);
+      for (int64_t jb = 0; jb < valid; jb += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < Dv; ++d) {
+          const __m256 qd = _mm256_loadu_ps(R.q[r] + 8 * d);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_load_ps(kbuf + (jb + j) * D + 8 * d), a[j]);
+        }
+        _mm256_store_ps(&s[r][jb], _mm256_mul_ps(hsum8(a), scale));
+      }
+      for (int64_t jj = valid; jj < kTile; ++jj) s[r][jj] = neg_inf;
+      float tile_max = s[r][0];
+      for (int64_t jj = 1; jj < valid; ++jj) tile_max = std::max(tile_max, s[r][jj]);
+      const float m_new = std::max(m[r], tile_max);
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
       for (int64_t jj = 0; jj < kTile; jj += 8) {
-        __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[g][jj]), mv));
-        _mm256_store_ps(&s[g][jj], p);
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(&s[r][jj]), mv));
+        _mm256_store_ps(&s[r][jj], p);
         sum = _mm256_add_ps(sum, p);
       }
-      const float corr = std::exp(m[g] - m_new);  // 0 on the first tile (m = -inf)
-      l[g] = l[g] * corr + hsum(sum);
-      m[g] = m_new;
-      const __m256 c = _mm256_set1_ps(corr);
-      for (int64_t d = 0; d < Dv; ++d) acc[g][d] = _mm256_mul_ps(acc[g][d], c);
-    }
-    for (int64_t jj = 0; jj < n; ++jj) {
-      __m256 vv[kMaxD / 8];
-      for (int64_t d = 0; d < Dv; ++d) vv[d] = load8(vrow[jj] + 8 * d);
-      for (int64_t g = 0; g < G; ++g) {
-        const __m256 p = _mm256_set1_ps(s[g][jj]);
-        for (int64_t d = 0; d < Dv; ++d) acc[g][d] = _mm256_fmadd_ps(p, vv[d], acc[g][d]);
+      const float corr = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+      l[r] = l[r] * corr + hsum(sum);
+      m[r] = m_new;
+      // acc = acc * corr + sum_jj p[jj] v[jj], D in register blocks of 4 vectors.
+      for (int64_t d0 = 0; d0 < Dv; d0 += 4) {
+        const int64_t nd = std::min<int64_t>(4, Dv - d0);
+        __m256 o[4];
+        const __m256 c = _mm256_set1_ps(corr);
+        for (int64_t d = 0; d < nd; ++d) o[d] = _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * (d0 + d)), c);
+        for (int64_t jj = 0; jj < valid; ++jj) {
+          const __m256 p = _mm256_set1_ps(s[r][jj]);
+          for (int64_t d = 0; d < nd; ++d)
+            o[d] = _mm256_fmadd_ps(p, _mm256_load_ps(vbuf + jj * D + 8 * (d0 + d)), o[d]);
+        }
+        for (int64_t d = 0; d < nd; ++d) _mm256_store_ps(acc[r] + 8 * (d0 + d), o[d]);
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-    for (int64_t d = 0; d < Dv; ++d) _mm256_storeu_ps(out + g * D + 8 * d, _mm256_mul_ps(acc[g][d], inv));
+  for (int64_t r = 0; r < R.n; ++r) {
+    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    for (int64_t d = 0; d < Dv; ++d) _mm256_storeu_ps(R.out[r] + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * d), inv));
   }
 }
 
@@ -146,19 +176,25 @@ struct Job {
   const KV *k_layer, *v_layer;
   const int32_t* tables;
   float* out;
-  std::vector<int32_t> seq_of;  // per token: its sequence, -1 for padding (zeros out)
-  std::vector<int64_t> n_ctx;   // per token: KV positions it attends to
-  int64_t items = 0;
+  struct Tile {
+    int32_t seq, first, count;  // query tokens first .. first + count - 1 of sequence seq
+    int64_t ctx0;               // KV positions before the first one (its causal limit - 1)
+  };
+  std::vector<Tile> tiles;
+  int64_t items = 0;  // tiles x KV heads
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void item(int64_t i) const {
-    const int64_t t = i / L.Kh, kh = i % L.Kh, at = (t * L.H + kh * L.G) * L.D;
-    if (seq_of[t] < 0) {
-      std::fill(out + at, out + at + L.G * L.D, 0.f);
-      return;
-    }
-    attend<KV>(L, q + at, k_layer, v_layer, tables + seq_of[t] * L.max_blocks, n_ctx[t], kh, out + at);
+    const Tile& t = tiles[i / L.Kh];
+    const int64_t kh = i % L.Kh;
+    Rows R;
+    for (int64_t ti = 0; ti < t.count; ++ti)
+      for (int64_t g = 0; g < L.G; ++g, ++R.n) {
+        const int64_t at = ((t.first + ti) * L.H + kh * L.G + g) * L.D;
+        R.q[R.n] = q + at, R.out[R.n] = out + at, R.limit[R.n] = t.ctx0 + ti + 1;
+      }
+    attend<KV>(L, R, k_layer, v_layer, tables + static_cast<int64_t>(t.seq) * L.max_blocks, kh);
   }
   void loop() {
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
@@ -176,8 +212,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
   job->L = L, job->q = q, job->tables = tables, job->out = out;
   const int64_t layer_elems = L.P * L.B * L.Kh * L.D;
   job->k_layer = k + layer * layer_elems, job->v_layer = v + layer * layer_elems;
-  job->seq_of.assign(L.T, -1);
-  job->n_ctx.assign(L.T, 0);
+  std::vector<bool> covered(L.T, false);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t a = qsl[s], b = qsl[s + 1], n = b - a, len = seq_lens[s];
     if (a < 0 || b < a || b > L.T || n > len || len > L.max_blocks * L.B)
@@ -186,9 +221,16 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
     for (int64_t i = 0; i < (len + L.B - 1) / L.B; ++i)
       if (tables[s * L.max_blocks + i] < 0 || tables[s * L.max_blocks + i] >= L.P)
         return ffi::Error::InvalidArgument("paged attention: block table entry out of range");
-    for (int64_t t = a; t < b; ++t) job->seq_of[t] = s, job->n_ctx[t] = len - n + (t - a) + 1;
+    for (int64_t t = a; t < b; t += kTileQ) {
+      const int64_t count = std::min(kTileQ, b - t);
+      job->tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), static_cast<int32_t>(count),
+                            len - n + (t - a)});
+    }
+    std::fill(covered.begin() + a, covered.begin() + b, true);
   }
-  job->items = L.T * L.Kh;
+  for (int64_t t = 0; t < L.T; ++t)  // padding tokens
+    if (!covered[t]) std::fill(out + t * L.H * L.D, out + (t + 1) * L.H * L.D, 0.f);
+  job->items = static_cast<int64_t>(job->tiles.size()) * L.Kh;
   // Work sharing as in skinny_matmul.cc: the caller takes items too, so the call completes even when the
   // pool is busy.
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items) - 1;

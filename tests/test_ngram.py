@@ -57,8 +57,9 @@ def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(target):
     assert st.acceptance_length == 1 + st.num_accepted_tokens / st.num_verifies
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
-                         ids=["t1", "t0.7-top_p0.9"])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                                SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.1)],
+                         ids=["t1", "t0.7", "top_p0.9", "min_p0.1"])
 def test_first_three_tokens_follow_the_target_exactly(sp):
     """As the draft-model test (tests/test_speculative.py), with one-hot proposals from the prompt: N = 3000 seeded
     requests over a vocabulary of 8 (512 joint outcomes), chi-square at the 0.001 level against the exact joint."""
@@ -76,6 +77,37 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
     accepted = sum(o.num_accepted_tokens for o in outs)
     assert drafted >= N and 0.05 < accepted / drafted < 0.95  # verify accepted and rejected many
     assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def ngram(target):
+    return Engine(target, CFG, speculation=NGRAM)
+
+
+def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, ngram):
+    """EOS-free stops inside a run of accepted proposals: a stop token, max_tokens, a stop string."""
+    plain = Engine(target, CFG)
+    prompt = PROMPTS[0]  # the model answers with a repeated token: long accepted runs
+    free = _run(plain, [prompt], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])[0]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[free.token_ids[6]]),
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[free.text[5:8]]),
+    ]
+    for sp in cases:
+        want, got = _run(plain, [prompt], [sp])[0], _run(ngram, [prompt], [sp])[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert _run(ngram, [prompt], [cases[2]])[0].num_accepted_tokens > 0
+    assert ngram.blocks.num_free_blocks == ngram.blocks.num_usable_blocks
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(ngram):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True)
+    alone = _run(ngram, [PROMPTS[0]], [sp])[0]
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    mixed = _run(ngram, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
+    assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
 
 
 def test_host_proposals_are_packed_into_the_verify_window(target):
