@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig
-from engine.proposers import SpeculationConfig, lookup
+from engine.proposers import SpeculationConfig
+from scheduler.ngram import lookup
 from scheduler.request import SamplingParams
 from tests.test_speculative import _chi2_pvalue, _exact_joint, _model, _run
 
