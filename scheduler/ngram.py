@@ -23,11 +23,16 @@ def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
       them (at most `k`).
     """
     L = len(context)
+    if L < 2:
+        return []
+    # Candidate match ends: earlier positions holding the last token; longer n-grams only check those.
+    ends = np.flatnonzero(context[:L - 1] == context[L - 1])
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(context[:L - 1], n)  # starts 0 .. L-1-n
-        hits = np.flatnonzero((windows == context[L - n:]).all(axis=1))
-        if hits.size:
-            follow = np.minimum(k, L - (hits + n))
-            start = hits[np.flatnonzero(follow == follow.max())[-1]] + n
+        e = ends[ends >= n - 1]
+        for d in range(1, n):
+            e = e[context[e - d] == context[L - 1 - d]]
+        if e.size:
+            follow = np.minimum(k, L - 1 - e)
+            start = e[np.flatnonzero(follow == follow.max())[-1]] + 1
             return context[start:start + k].tolist()
     return []

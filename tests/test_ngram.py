@@ -4,6 +4,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
 from engine.proposers import SpeculationConfig
@@ -25,6 +27,25 @@ NGRAM = SpeculationConfig(3, min_acceptance=0.0, method="ngram")
 ])
 def test_lookup(context, k, want):
     assert lookup(np.asarray(context, np.int32), k, max_n=3, min_n=1) == want
+
+
+def _lookup_by_hand(context, k, max_n, min_n):
+    L = len(context)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        starts = [i for i in range(L - n) if context[i:i + n] == context[L - n:]]
+        if starts:
+            best = max(min(k, L - (i + n)) for i in starts)
+            i = max(i for i in starts if min(k, L - (i + n)) == best)
+            return context[i + n:i + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(context=st.lists(st.integers(0, 3), min_size=1, max_size=40), k=st.integers(1, 5),
+       sizes=st.tuples(st.integers(1, 4), st.integers(0, 3)))
+def test_lookup_equals_a_direct_search(context, k, sizes):
+    max_n, min_n = sizes[0], max(1, sizes[0] - sizes[1])
+    assert lookup(np.asarray(context, np.int32), k, max_n, min_n) == _lookup_by_hand(context, k, max_n, min_n)
 
 
 def test_lookup_respects_min_n():
