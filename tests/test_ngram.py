@@ -11,7 +11,7 @@ from engine import Engine, EngineConfig
 from engine.proposers import SpeculationConfig
 from scheduler.ngram import lookup
 from scheduler.request import SamplingParams
-from tests.test_speculative import _chi2_pvalue, _exact_joint, _model, _run
+from tests.test_speculative import _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
 
 NGRAM = SpeculationConfig(3, min_acceptance=0.0, method="ngram")
 
@@ -90,13 +90,7 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
                     speculation=dataclasses.replace(NGRAM, num_speculative_tokens=2))
     prompt = [1, 5, 2, 0, 3, 4, 6, 7, 1, 5]  # every token of the vocabulary occurs: a proposal at each step
     N = 3000
-    outs = _run(engine, [prompt] * N, [dataclasses.replace(sp, seed=i, max_tokens=3, ignore_eos=True)
-                                       for i in range(N)])
-    counts = np.zeros((8, 8, 8))
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
-    drafted = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
+    counts, drafted, accepted = _first_three_tokens(engine, prompt, sp, N)
     assert drafted >= N and 0.05 < accepted / drafted < 0.95  # verify accepted and rejected many
     assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
 

@@ -136,6 +136,17 @@ def _exact_joint(model, prompt, sp, n=3):
     return joint
 
 
+def _first_three_tokens(engine, prompt, sp, N):
+    """Counts `[8, 8, 8]` of the first three tokens of N seeded requests (seeds 0..N-1; vocabulary 8),
+    with the draft tokens proposed and accepted over all of them."""
+    outs = _run(engine, [prompt] * N, [dataclasses.replace(sp, seed=i, max_tokens=3, ignore_eos=True)
+                                       for i in range(N)])
+    counts = np.zeros((8, 8, 8))
+    for o in outs:
+        counts[tuple(o.token_ids)] += 1
+    return counts, sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+
+
 def _chi2_pvalue(counts, probs):
     """Chi-square goodness of fit, cells with expected count < 5 merged into one."""
     expected = probs * counts.sum()
@@ -160,13 +171,7 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
                     draft=draft, speculation=SpeculationConfig(2, min_acceptance=0.0))
     prompt = [1, 5, 2]
     N = 3000
-    params = [dataclasses.replace(sp, seed=i, max_tokens=3, ignore_eos=True) for i in range(N)]
-    outs = _run(engine, [prompt] * N, params)
-    counts = np.zeros((8, 8, 8))
-    for o in outs:
-        counts[tuple(o.token_ids)] += 1
-    drafted = sum(o.num_draft_tokens for o in outs)
-    accepted = sum(o.num_accepted_tokens for o in outs)
+    counts, drafted, accepted = _first_three_tokens(engine, prompt, sp, N)
     assert drafted >= N and 0.1 < accepted / drafted < 0.9  # verify accepted and rejected many
     exact = _exact_joint(target, prompt, sp)
     assert _chi2_pvalue(counts.ravel(), exact.ravel()) > 1e-3
