@@ -50,15 +50,29 @@ __attribute__((target("avx512f"))) inline __m512 load_panel_row_512(const void* 
 template <WType W, int R>
 __attribute__((target("avx512f"))) void chunk_512(const float* x, int64_t ldx, const void* panel, int64_t K,
                                                   const float* scale, float* y, int64_t ldy, int64_t ncols) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  // U accumulators per row over interleaved k: with few rows, one chain would wait on FMA latency.
+  constexpr int U = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 w = load_panel_row_512<W>(panel, k + u);
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k + u]), w, acc[r][u]);
+    }
+  }
+  for (; k < K; ++k) {
     __m512 w = load_panel_row_512<W>(panel, k);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r]);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[r][0]);
   }
   __mmask16 mask = static_cast<__mmask16>((ncols >= 16) ? 0xFFFF : ((1u << ncols) - 1));
   __m512 s = scale ? _mm512_maskz_loadu_ps(mask, scale) : _mm512_set1_ps(1.0f);
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(acc[r], s));
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[r][u]);
+    _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(sum, s));
+  }
 }
 
 // ---- AVX2 + FMA: two ymm per k-row of a panel, up to 6 rows of x per chunk ----------------------
@@ -86,21 +100,26 @@ __attribute__((target("avx2,fma"))) inline void load_panel_row_256(const void* b
 template <WType W, int R>
 __attribute__((target("avx2,fma"))) void chunk_256(const float* x, int64_t ldx, const void* panel, int64_t K,
                                                    const float* scale, float* y, int64_t ldy, int64_t ncols) {
-  __m256 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  constexpr int U = R >= 2 ? 1 : 2;  // as in chunk_512: a second chain over k for a single row
+  __m256 lo[R][U], hi[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) lo[r][u] = hi[r][u] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    const int u = U == 1 ? 0 : static_cast<int>(k & (U - 1));
     __m256 wl, wh;
     load_panel_row_256<W>(panel, k, wl, wh);
     for (int r = 0; r < R; ++r) {
       __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-      lo[r] = _mm256_fmadd_ps(xb, wl, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xb, wh, hi[r]);
+      lo[r][u] = _mm256_fmadd_ps(xb, wl, lo[r][u]);
+      hi[r][u] = _mm256_fmadd_ps(xb, wh, hi[r][u]);
     }
   }
   alignas(32) float buf[P];
   for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(buf, lo[r]);
-    _mm256_store_ps(buf + 8, hi[r]);
+    __m256 l = lo[r][0], h = hi[r][0];
+    for (int u = 1; u < U; ++u) l = _mm256_add_ps(l, lo[r][u]), h = _mm256_add_ps(h, hi[r][u]);
+    _mm256_store_ps(buf, l);
+    _mm256_store_ps(buf + 8, h);
     for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = scale ? buf[j] * scale[j] : buf[j];
   }
 }
