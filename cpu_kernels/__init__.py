@@ -17,7 +17,8 @@ the algorithm.
 The library is compiled by the install (`pip install -e .`, see `setup.py`).
 When it is missing or cannot load, or the CPU has neither AVX-512F nor
 AVX2+FMA, `available()` is False, one warning is logged, and callers keep
-XLA's dot.
+XLA's dot. `JSE_CPU_ISA=avx2` in the environment keeps an AVX-512 CPU on the
+AVX2 path (read once, when the library loads).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 // Weight element types: f32; bf16 (widened to f32 by a 16-bit shift); s8 with a per-output-column f32
 // scale applied to the sums. x and y are f32; accumulation is f32 throughout.
 //
-// AVX-512F and AVX2+FMA paths, chosen at run time (CPUID). `jse_cpu_features` tells the Python side
+// AVX-512F and AVX2+FMA paths, chosen at run time (CPUID; see `cpu_features`). `jse_cpu_features` tells the Python side
 // which one runs (0: neither; the engine then keeps XLA's dot).
 
 #include <immintrin.h>
@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <utility>
@@ -135,9 +136,12 @@ constexpr auto table_256(std::integer_sequence<int, Rs...>) {
   return std::array<ChunkFn, sizeof...(Rs)>{&chunk_256<W, Rs + 1>...};
 }
 
+// JSE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 path (so tests cover both); it never upgrades.
 int cpu_features() {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
+  const char* isa = std::getenv("JSE_CPU_ISA");
+  const bool avx2_only = isa != nullptr && std::strcmp(isa, "avx2") == 0;
+  if (__builtin_cpu_supports("avx512f") && !avx2_only) return 2;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
   return 0;
 }

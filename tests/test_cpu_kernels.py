@@ -158,3 +158,27 @@ def test_engine_native_attention_equals_reference():
         assert a.token_ids == b.token_ids
         for ea, eb in zip(a.logprobs, b.logprobs):
             np.testing.assert_allclose([ea[t] for t in ea], [eb[t] for t in ea], atol=1e-5)
+
+
+def test_avx2_path_equals_reference():
+    """The AVX2 kernel, forced on an AVX-512 machine (JSE_CPU_ISA=avx2) in a fresh process: every row count
+    of its chunks (1..6, then a second chunk) and weight dtype against the reference."""
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import jax, numpy as np, cpu_kernels as ck\n"
+        "assert ck.cpu_features() == 'avx2', ck.cpu_features()\n"
+        "rng = np.random.default_rng(0)\n"
+        "for T in range(1, 9):\n"
+        "    for dtype in ('float32', 'bfloat16', 'int8'):\n"
+        "        w = rng.normal(0, 0.05, (100, 37)).astype(np.float32)\n"
+        "        x = rng.normal(0, 1, (T, 100)).astype(np.float32)\n"
+        "        p = ck.pack(w, dtype)\n"
+        "        got = np.asarray(jax.jit(ck.skinny_matmul)(x, p))\n"
+        "        want = np.asarray(ck.skinny_matmul_reference(x, p))\n"
+        f"        np.testing.assert_allclose(got, want, rtol={RTOL}, atol={RTOL} * np.abs(want).max())\n"
+        "print('ok')\n")
+    env = {**os.environ, "JSE_CPU_ISA": "avx2", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
