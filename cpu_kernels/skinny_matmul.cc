@@ -51,8 +51,9 @@ __attribute__((target("avx512f"))) inline __m512 load_panel_row_512(const void* 
 template <WType W, int R>
 __attribute__((target("avx512f"))) void chunk_512(const float* x, int64_t ldx, const void* panel, int64_t K,
                                                   const float* scale, float* y, int64_t ldy, int64_t ncols) {
-  // U accumulators per row over interleaved k: with few rows, one chain would wait on FMA latency.
-  constexpr int U = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  // Two accumulators per row over interleaved k, so one row is not bound by FMA latency. The same for
+  // every R: a row's sums then do not depend on how many rows share its chunk (batch invariance).
+  constexpr int U = 2;
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -101,26 +102,21 @@ __attribute__((target("avx2,fma"))) inline void load_panel_row_256(const void* b
 template <WType W, int R>
 __attribute__((target("avx2,fma"))) void chunk_256(const float* x, int64_t ldx, const void* panel, int64_t K,
                                                    const float* scale, float* y, int64_t ldy, int64_t ncols) {
-  constexpr int U = R >= 2 ? 1 : 2;  // as in chunk_512: a second chain over k for a single row
-  __m256 lo[R][U], hi[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) lo[r][u] = hi[r][u] = _mm256_setzero_ps();
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const int u = U == 1 ? 0 : static_cast<int>(k & (U - 1));
     __m256 wl, wh;
     load_panel_row_256<W>(panel, k, wl, wh);
     for (int r = 0; r < R; ++r) {
       __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
-      lo[r][u] = _mm256_fmadd_ps(xb, wl, lo[r][u]);
-      hi[r][u] = _mm256_fmadd_ps(xb, wh, hi[r][u]);
+      lo[r] = _mm256_fmadd_ps(xb, wl, lo[r]);
+      hi[r] = _mm256_fmadd_ps(xb, wh, hi[r]);
     }
   }
   alignas(32) float buf[P];
   for (int r = 0; r < R; ++r) {
-    __m256 l = lo[r][0], h = hi[r][0];
-    for (int u = 1; u < U; ++u) l = _mm256_add_ps(l, lo[r][u]), h = _mm256_add_ps(h, hi[r][u]);
-    _mm256_store_ps(buf, l);
-    _mm256_store_ps(buf + 8, h);
+    _mm256_store_ps(buf, lo[r]);
+    _mm256_store_ps(buf + 8, hi[r]);
     for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = scale ? buf[j] * scale[j] : buf[j];
   }
 }

@@ -41,10 +41,11 @@ class ScoreJob:
     token_ids: list[int]
     allocation: object  # the block manager's, for len(token_ids) - 1 tokens; None once freed
     logprobs: np.ndarray  # float32 [n - 1], filled up to num_scored
+    greedy: np.ndarray  # bool [n - 1], filled up to num_scored
     num_scored: int = 0
 
     def output(self) -> ScoreOutput:
-        return ScoreOutput(self.token_ids, self.logprobs.tolist())
+        return ScoreOutput(self.token_ids, self.logprobs.tolist(), self.greedy.tolist())
 
 
 @dataclasses.dataclass(eq=False)
@@ -312,14 +313,15 @@ class Engine:
         if n > self.max_model_len:
             raise InvalidRequestError(f"text to score has {n} tokens; the context limit is {self.max_model_len}")
         ids = check_token_ids(token_ids, self.model_config.vocab_size, "token ids")
-        return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32))
+        return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32), np.empty(n - 1, bool))
 
     def score_chunk(self, job: ScoreJob) -> bool:
         """Scores the job's next chunk (at most the token budget); returns True once all of it is scored."""
         if job.num_scored < len(job.logprobs):
-            out = self.runner.score_chunk(job.token_ids, job.allocation, job.num_scored)
-            job.logprobs[job.num_scored:job.num_scored + len(out)] = out
-            job.num_scored += len(out)
+            logprobs, greedy = self.runner.score_chunk(job.token_ids, job.allocation, job.num_scored)
+            job.logprobs[job.num_scored:job.num_scored + len(logprobs)] = logprobs
+            job.greedy[job.num_scored:job.num_scored + len(greedy)] = greedy
+            job.num_scored += len(logprobs)
         return job.num_scored == len(job.logprobs)
 
     def end_score(self, job: ScoreJob) -> None:

@@ -301,9 +301,10 @@ class ModelRunner:
 
     # ---- scoring --------------------------------------------------------------------------
 
-    def score_chunk(self, token_ids: list[int], allocation, start: int) -> np.ndarray:
+    def score_chunk(self, token_ids: list[int], allocation, start: int) -> tuple[np.ndarray, np.ndarray]:
         """Log-probabilities float32 `[m]` of `token_ids[start + 1:start + 1 + m]`, each given the tokens
-        before it, with m = min(token budget, len(token_ids) - 1 - start).
+        before it, with m = min(token budget, len(token_ids) - 1 - start), and bool `[m]`: whether each
+        is the argmax there.
 
         Teacher forcing through the paged forward: the chunk's KV goes into
         `allocation` (the block manager's, for `len(token_ids) - 1` tokens;
@@ -316,9 +317,9 @@ class ModelRunner:
         packed = self.pack(StepPlan([ScheduledSeq(request, start, m, sample=False)], []), {"score": 0})
         targets = np.zeros(bucket_for(m, self.token_buckets), np.int32)
         targets[:m] = token_ids[start + 1:start + 1 + m]
-        logprobs, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
+        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
         self.pools = (pool, *self.pools[1:])
-        return np.asarray(logprobs)[:m]
+        return np.asarray(logprobs)[:m], np.asarray(greedy)[:m]
 
     # ---- compilation ----------------------------------------------------------------------
 

@@ -27,10 +27,13 @@ class ScoreOutput:
 
     token_logprobs[i] is log p(token_ids[i + 1] | token_ids[:i + 1]) (natural
     log); the first token has none, so there are len(token_ids) - 1 of them.
+    token_is_greedy[i] says whether token_ids[i + 1] is the argmax of that
+    position's logits (what greedy decoding would emit; ties go to the lowest id).
     """
 
     token_ids: list[int]
     token_logprobs: list[float]
+    token_is_greedy: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def log_likelihood(self) -> float:
@@ -39,11 +42,12 @@ class ScoreOutput:
 
 
 def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
-    """Returns the jitted `score_step(state, pool, batch, targets) -> (logprobs float32 [T], pool)`.
+    """Returns the jitted `score_step(state, pool, batch, targets) -> (logprobs float32 [T], greedy bool [T], pool)`.
 
     `targets` int32 `[T]` is the token following each position of
-    `batch.token_ids`; the result is its log-probability under the raw
-    log-softmax of that position's logits. The pool is donated.
+    `batch.token_ids`; `logprobs` is its log-probability under the raw
+    log-softmax of that position's logits and `greedy` whether it is their
+    argmax. The pool is donated.
     """
 
     @functools.partial(jax.jit, donate_argnums=(1,))
@@ -52,6 +56,7 @@ def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
         hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attention), pool)
         logits = model.logits(hidden)  # [T, V]
         chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        return chosen - jax.nn.logsumexp(logits, axis=-1), pool
+        greedy = jnp.argmax(logits, axis=-1) == targets
+        return chosen - jax.nn.logsumexp(logits, axis=-1), greedy, pool
 
     return score_step

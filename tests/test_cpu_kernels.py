@@ -52,6 +52,20 @@ def test_kernel_equals_reference_inside_jit(T, K, N, dtype, seed):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_kernel_rows_do_not_depend_on_batch_mates(dtype):
+    """Batch invariance: a row's result is bitwise the same whatever rows share its step (so a seeded
+    request samples the same tokens at any batch size)."""
+    rng = np.random.default_rng(1)
+    p = ck.pack(rng.normal(0, 0.05, (576, 100)).astype(np.float32), dtype)
+    x = rng.normal(0, 1, (13, 576)).astype(np.float32)
+    f = jax.jit(ck.skinny_matmul)
+    full = np.asarray(f(x, p))
+    for T in (1, 2, 5, 8):
+        np.testing.assert_array_equal(np.asarray(f(x[:T], p)), full[:T])
+    np.testing.assert_array_equal(np.asarray(f(x[7:8], p))[0], full[7])
+
+
 @pytest.mark.parametrize("dtype,bound", [("float32", 0.0), ("bfloat16", 2.0**-8), ("int8", 0.5 / 127)])
 def test_packing_rounds_within_the_dtype(dtype, bound):
     """The packed weight equals W up to the dtype's rounding: exact for fp32, half an ulp of bf16 (2**-8
@@ -162,7 +176,7 @@ def test_engine_native_attention_equals_reference():
 
 def test_avx2_path_equals_reference():
     """The AVX2 kernel, forced on an AVX-512 machine (JSE_CPU_ISA=avx2) in a fresh process: every row count
-    of its chunks (1..6, then a second chunk) and weight dtype against the reference."""
+    of its chunks (1..6, then a second chunk) and weight dtype against the reference, batch-invariant."""
     import os
     import subprocess
     import sys
@@ -178,6 +192,8 @@ def test_avx2_path_equals_reference():
         "        got = np.asarray(jax.jit(ck.skinny_matmul)(x, p))\n"
         "        want = np.asarray(ck.skinny_matmul_reference(x, p))\n"
         f"        np.testing.assert_allclose(got, want, rtol={RTOL}, atol={RTOL} * np.abs(want).max())\n"
+        "        one = np.asarray(jax.jit(ck.skinny_matmul)(x[-1:], p))\n"
+        "        np.testing.assert_array_equal(one[0], got[-1])\n"
         "print('ok')\n")
     env = {**os.environ, "JSE_CPU_ISA": "avx2", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
