@@ -1,14 +1,18 @@
-"""Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the distilled draft, n-gram lookup.
+"""Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the EAGLE head, a draft
+model, n-gram lookup.
 
   python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
-      [--max_tokens=64] [--proposers=draft,ngram]
+      [--max_tokens=64] [--proposers=eagle,draft,ngram] [--temperature=0]
 
-For each domain, proposer, batch size B and K: B real prompts (chat template, greedy,
-`ignore_eos`) decode together. Decode steps are timed from the second step
+For each domain, proposer, batch size B and K: B real prompts (chat template, greedy or
+seeded sampling at --temperature, `ignore_eos`) decode together. Decode steps are timed from the second step
 after prefill while all B requests run (so no compilation and no shrinking
 batch is timed): tok/s = tokens emitted in the timed steps / their time.
 
 * alpha: accepted / proposed draft tokens over the whole run.
+* acceptance length: tokens a verify emits (accepted + the correction or
+  bonus token), over the run's verifies; per position: the fraction of
+  verifies proposing a token at window position i that accepted it.
 * tokens/step: emitted tokens per target step in the timed steps.
 * c: the extra cost per proposed token (the draft passes and the wider verify
   window together) relative to a plain target step,
@@ -49,7 +53,10 @@ flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_integer("adaptive_requests", 8, "Requests per domain in the adaptive-speculation stream.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
-flags.DEFINE_list("proposers", ["draft", "ngram"], "Proposers to measure (the `speculative` kinds).")
+flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds).")
+flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
+flags.DEFINE_float("temperature", 0.0, "0: greedy (speculative output asserted equal to the plain engine's); "
+                   "else seeded sampling at this temperature.")
 flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
                   "(checkpoints.draft.early_exit_draft) instead of --draft.")
 
@@ -83,8 +90,10 @@ def _decode(llm, prompts):
     widest = bucket_for(b * (1 + max(k for k in runner.spec_ks if k is not None) if len(runner.spec_ks) > 1 else b),
                         runner.token_buckets)
     engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
-    sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, sp).request_id for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=FLAGS.max_tokens,
+                                                ignore_eos=True)).request_id for i, p in enumerate(prompts)]
+    st = engine.stats
+    before = (st.num_verifies, st.num_accepted_tokens, list(st.drafted_at), list(st.accepted_at))
     outs, steps, tokens, elapsed, untimed = {}, 0, 0, 0.0, 2
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -101,8 +110,13 @@ def _decode(llm, prompts):
             outs[o.request_id] = o
     drafted = sum(outs[i].num_draft_tokens for i in ids)
     accepted = sum(outs[i].num_accepted_tokens for i in ids)
+    verifies = st.num_verifies - before[0]
+    length = 1 + (st.num_accepted_tokens - before[1]) / verifies if verifies else 1.0
+    grow = lambda xs: xs + [0] * (len(st.drafted_at) - len(xs))
+    positions = [(a - a0) / (d - d0) for a, a0, d, d0 in zip(st.accepted_at, grow(before[3]), st.drafted_at,
+                                                                grow(before[2])) if d > d0]
     return tokens / elapsed, 1e3 * elapsed / steps, tokens / steps, (accepted / drafted if drafted else None), \
-        [outs[i].token_ids for i in ids]
+        [outs[i].token_ids for i in ids], length, positions
 
 
 def _streams(llms, prompts, request_class):
@@ -158,7 +172,7 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
 def main(argv):
     del argv
     from checkpoints import load_model
-    from checkpoints.draft import DEFAULT_DRAFT, early_exit_draft, load_draft
+    from checkpoints.draft import DEFAULT_DRAFT, DEFAULT_EAGLE, early_exit_draft, load_draft
     from engine import LLM
 
     target = load_model()
@@ -167,9 +181,12 @@ def main(argv):
         draft = early_exit_draft(target, [int(i) for i in FLAGS.early_exit_layers])
     elif "draft" in FLAGS.proposers:
         draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
+    heads = {"draft": draft, "eagle": load_draft(FLAGS.eagle_head or DEFAULT_EAGLE, target)
+             if "eagle" in FLAGS.proposers else None}
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
-    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, greedy, "
+    mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
+    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, {mode}, "
           f"{FLAGS.max_tokens} tokens/request)\n")
     plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
     costs = _window_costs(plain_llm)
@@ -179,12 +196,12 @@ def main(argv):
     print("|---|" + "---:|" * len(costs))
     print("| ms | " + " | ".join(f"{ms:.1f}" for ms in costs.values()) + " |")
     print("| x 1-token step | " + " | ".join(f"{ms / costs[1]:.2f}" for ms in costs.values()) + " |\n")
-    print("| domain | proposer | batch | K | alpha | tokens/step | c | ms/step (spec / plain) | tok/s (spec / plain) "
-          "| speed-up measured | (1+K alpha)/(1+K c) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| domain | proposer | batch | K | alpha | acceptance length | per position | tokens/step | c "
+          "| ms/step (spec / plain) | tok/s (spec / plain) | speed-up measured | (1+K alpha)/(1+K c) |")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
-        return LLM(target, speculative=name, draft_model=draft if name == "draft" else None, **kw)
+        return LLM(target, speculative=name, draft_model=heads.get(name), **kw)
 
     spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
                  for name in FLAGS.proposers for k in ks}
@@ -199,14 +216,17 @@ def main(argv):
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = _prompts(target.tokenizer, domain, b)
-            plain_tps, plain_ms, _, _, want = _decode(plain_llm, prompts)
+            plain_tps, plain_ms, _, _, want, _, _ = _decode(plain_llm, prompts)
             for (name, k), llm in spec_llms.items():
-                tps, ms, per_step, alpha, got = _decode(llm, prompts)
-                assert got == want, "speculative greedy output differs from the target's"
+                tps, ms, per_step, alpha, got, length, positions = _decode(llm, prompts)
+                if FLAGS.temperature == 0:
+                    assert got == want, "speculative greedy output differs from the target's"
                 c = (ms - plain_ms) / (k * plain_ms)
                 alpha = alpha or 0.0  # n-gram: None when nothing matched
-                print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {per_step:.2f} | {c:.2f} | {ms:.0f} / {plain_ms:.0f} "
-                      f"| {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |")
+                per_pos = " ".join(f"{a:.2f}" for a in positions)
+                print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {length:.2f} | {per_pos} | {per_step:.2f} "
+                      f"| {c:.2f} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x "
+                      f"| {(1 + k * alpha) / (1 + k * c):.2f}x |")
         prompts = _prompts(target.tokenizer, domain, FLAGS.adaptive_requests)
         adaptive[domain] = _streams((*defaults, stream_plain), prompts, domain)
     print(f"\n## Adaptive speculation (default settings), {FLAGS.adaptive_requests} requests per domain, "

@@ -18,6 +18,11 @@ needs the target's params; the result is an ordinary `LoadedModel` (params
 in `model.llama.param_specs` layout) that runs through the same `Llama`
 module and paged step as the target. A plain Hugging Face directory with the
 same vocabulary also loads as a draft.
+
+An EAGLE head (`model.eagle.EagleHead`) is stored the same way: a 1-layer
+draft with the target's width (so the target's embedding), its partial head,
+and the fusion layer as one more tensor, `eagle_fc`; its config's `draft.kind`
+is "eagle", and loading it gives `params[model.eagle.FC]`.
 """
 
 from __future__ import annotations
@@ -28,15 +33,18 @@ import os
 import numpy as np
 import safetensors.numpy
 
-from checkpoints._layout import cast, gather, scatter
+from checkpoints._layout import cast, gather, np_dtype, scatter
 from checkpoints.hf import HF_NAMES, hf_config_dict, load_hf_dir, open_safetensors
 from checkpoints.resolve import DEFAULT_MODEL, LoadedModel
 from model.config import ModelConfig
+from model.eagle import FC
 
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
 DEFAULT_DRAFT = "smollm2-135m-draft"
-# The draft each bundled target uses when none is named.
+DEFAULT_EAGLE = "smollm2-135m-eagle"
+# The draft and the EAGLE head each bundled target uses when none is named.
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
+DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
 
@@ -79,7 +87,7 @@ def save_draft(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.n
     Args:
       path: the directory to write (created if missing).
       cfg: the draft's config (tied embeddings).
-      params: `param_specs(cfg)` arrays; `embed` is not stored.
+      params: `param_specs(cfg)` arrays (plus `model.eagle.FC` for an EAGLE head); `embed` is not stored.
       projection: float32 `[E_t, E]`, or None when the draft has the target's width.
       target_name: the target it was distilled from (recorded in config.json).
       storage_dtype: dtype of the stored tensors ("bfloat16" halves the file).
@@ -94,7 +102,10 @@ def save_draft(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.n
     stored = cfg.replace(dtype=storage_dtype, head_vocab_size=0)
     params = dict(params)
     head_ids = params.pop(HEAD_IDS, None)
+    fc = params.pop(FC, None)
     tensors = scatter(stored, HF_NAMES, cast(params, storage_dtype))
+    if fc is not None:
+        tensors[FC] = cast({"fc": fc}, storage_dtype)["fc"]
     del tensors[HF_NAMES["embed"][0]]
     if projection is not None:
         tensors[PROJECTION] = cast({"p": projection}, storage_dtype)["p"]
@@ -105,7 +116,8 @@ def save_draft(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.n
     hf["draft"] = {"target": target_name,
                    "target_hidden_size": int(cfg.hidden_size if projection is None else projection.shape[0]),
                    "embed": "target.embed" if projection is None else f"target.embed @ {PROJECTION}",
-                   "head_vocab_size": int(cfg.head_vocab_size), **(extra or {})}
+                   "head_vocab_size": int(cfg.head_vocab_size), "kind": "eagle" if fc is not None else "draft",
+                   **(extra or {})}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
 
@@ -146,6 +158,8 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
         if hf["draft"].get("head_vocab_size"):
             cfg = cfg.replace(head_vocab_size=hf["draft"]["head_vocab_size"])
             params[HEAD_IDS] = np.asarray(tensors[HEAD_IDS], np.int32)
+        if FC in tensors:
+            params[FC] = np.asarray(tensors[FC]).astype(np_dtype(dtype))
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft {path} has vocab_size {cfg.vocab_size}; the target has {tcfg.vocab_size}")
     cfg = cfg.replace(eos_token_ids=tcfg.eos_token_ids, bos_token_id=tcfg.bos_token_id)

@@ -20,10 +20,12 @@ import numpy as np
 
 from engine.compilation import compilation_count
 from engine.config import EngineConfig
-from engine.proposers import DraftModelProposer, NgramProposer, Proposer, SpeculationConfig
+from engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer, SpeculationConfig
+from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
-from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming, kv_bytes_per_block
+from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming
+from engine.step import kv_bytes_per_block
 from engine.scoring import ScoreOutput
 from engine.step import Sampled
 from scheduler.block_manager import BlockManager
@@ -64,12 +66,13 @@ class Engine:
     Args:
       model: a `checkpoints.LoadedModel` (config, params, tokenizer).
       config: engine limits.
-      draft: a `LoadedModel` of a draft model with the target's vocabulary, for
-        speculative decoding with `speculation.method` "draft".
+      draft: a `LoadedModel` of a draft model or an EAGLE head with the target's
+        vocabulary, for speculation methods "draft" and "eagle".
       speculation: the proposer, K and the adaptive-speculation settings (None:
-        "draft" with a draft, else no speculation).
+        "draft" or "eagle", whichever `draft` is, with a draft, else no speculation).
     Raises:
-      ValueError: bad limits, a draft whose vocabulary differs, or method "draft" without a draft.
+      ValueError: bad limits, a draft whose vocabulary differs, or method "draft" / "eagle" without
+        a draft of that kind.
 
     `on_step`, if set, is called with each step's `StepTiming` (the program it
     ran and its time per phase); `stats` keeps the totals.
@@ -81,11 +84,11 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = model.tokenizer
         self.config = config
-        self.proposer = _proposer(draft, speculation, cfg.vocab_size, config)
+        self.proposer = _proposer(draft, speculation, cfg, config)
         B = config.block_size
         bytes_per_block = kv_bytes_per_block(cfg, B)
-        if self.proposer is not None and self.proposer.model_config is not None:
-            bytes_per_block += kv_bytes_per_block(self.proposer.model_config, B)
+        if self.proposer is not None:
+            bytes_per_block += self.proposer.bytes_per_block(B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
@@ -353,12 +356,17 @@ def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, f
     return entry
 
 
-def _proposer(draft, speculation: SpeculationConfig | None, vocab_size: int, config: EngineConfig) -> Proposer | None:
+def _proposer(draft, speculation: SpeculationConfig | None, target_config, config: EngineConfig) -> Proposer | None:
     """The engine's proposer from its `draft` and `speculation` arguments (see `Engine`)."""
     if speculation is None:
-        return DraftModelProposer(draft, SpeculationConfig(), vocab_size, config) if draft is not None else None
+        if draft is None:
+            return None
+        speculation = SpeculationConfig(method="eagle" if FC in draft.params else "draft")
     if speculation.method == "ngram":
         return NgramProposer(speculation)
-    if draft is None:
-        raise ValueError("speculation method 'draft' needs a draft model")
-    return DraftModelProposer(draft, speculation, vocab_size, config)
+    if draft is None or (FC in draft.params) != (speculation.method == "eagle"):
+        kind = "an EAGLE head" if speculation.method == "eagle" else "a draft model"
+        raise ValueError(f"speculation method {speculation.method!r} needs {kind}")
+    if speculation.method == "eagle":
+        return EagleProposer(draft, speculation, target_config, config)
+    return DraftModelProposer(draft, speculation, target_config.vocab_size, config)

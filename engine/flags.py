@@ -21,10 +21,12 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
                   "Products over few tokens: auto = the native CPU kernel on CPU (XLA's dot if it cannot "
                   "load), xla = always XLA's dot.")
 # Speculative decoding.
-flags.DEFINE_enum("speculative", "auto", ["auto", "draft", "ngram", "off"],
-                  "Speculative decoding: draft = a draft model proposes, ngram = prompt lookup; auto = with the "
-                  "model's bundled draft if it has one.")
-flags.DEFINE_string("draft_model", None, "Draft model (bundled name or path); default: the model's own draft.")
+flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "draft", "ngram", "off"],
+                  "Speculative decoding: eagle = an EAGLE head on the target's features proposes, draft = a "
+                  "draft model proposes, ngram = prompt lookup; auto = the model's bundled EAGLE head, else its "
+                  "bundled draft, else off.")
+flags.DEFINE_string("draft_model", None, "Draft model or EAGLE head (bundled name or path); default: the "
+                    "model's own.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "

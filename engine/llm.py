@@ -15,6 +15,7 @@ from engine.proposers import SpeculationConfig
 from engine.engine import Engine
 from engine.inputs import Prompt, encode_prompt
 from engine.outputs import RequestOutput
+from model.eagle import FC
 from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 
@@ -28,12 +29,13 @@ class LLM:
         already loaded `checkpoints.LoadedModel` (engines of one model share
         compiled programs).
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
-      speculative: "draft" (a draft model proposes tokens), "ngram" (prompt
-        lookup: tokens that followed the latest earlier occurrence of the last
-        few tokens), None (off), or "auto": "draft" when `model` names a model
-        with a bundled default draft (the real SmolLM2 model), else off.
-      draft_model: the draft (bundled name, path, or `LoadedModel`); None takes
-        the model's default draft.
+      speculative: "eagle" (an EAGLE head on the target's features proposes
+        tokens), "draft" (a draft model proposes), "ngram" (prompt lookup:
+        tokens that followed the latest earlier occurrence of the last few
+        tokens), None (off), or "auto": "eagle" when `model` names a model with
+        a bundled EAGLE head, else "draft" when it has a bundled draft, else off.
+      draft_model: the draft or EAGLE head (bundled name, path, or
+        `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
         (adaptive speculation lowers it per request class where acceptance is low).
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
@@ -45,22 +47,27 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 4, **engine_args):
-        from checkpoints.draft import DEFAULT_DRAFTS, draft_names, load_draft
+        from checkpoints.draft import DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, draft_names, load_draft
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
-        if speculative not in ("auto", "draft", "ngram", None):
-            raise ValueError(f"speculative must be 'auto', 'draft', 'ngram' or None, got {speculative!r}")
-        if speculative == "auto":
-            has_default = isinstance(model, str) and DEFAULT_DRAFTS.get(model) in draft_names()
-            speculative = "draft" if draft_model is not None or has_default else None
+        if speculative not in ("auto", "eagle", "draft", "ngram", None):
+            raise ValueError(f"speculative must be 'auto', 'eagle', 'draft', 'ngram' or None, got {speculative!r}")
+        defaults = {"eagle": DEFAULT_EAGLE_HEADS, "draft": DEFAULT_DRAFTS}
+        given = draft_model is not None and speculative == "auto"  # its kind decides below
+        if speculative == "auto" and not given:
+            bundled = [kind for kind, table in defaults.items()
+                       if isinstance(model, str) and table.get(model) in draft_names()]
+            speculative = bundled[0] if bundled else None
         draft = None
-        if speculative == "draft":
+        if speculative in defaults or given:
             if draft_model is None:
-                if not isinstance(model, str) or model not in DEFAULT_DRAFTS:
-                    raise ValueError(f"no default draft for {model!r}: pass draft_model")
-                draft_model = DEFAULT_DRAFTS[model]
+                if not isinstance(model, str) or model not in defaults[speculative]:
+                    raise ValueError(f"no default {speculative} for {model!r}: pass draft_model")
+                draft_model = defaults[speculative][model]
             draft = draft_model if isinstance(draft_model, LoadedModel) else load_draft(draft_model, loaded)
+            if given:
+                speculative = "eagle" if FC in draft.params else "draft"
         speculation = None
         if speculative is not None:
             speculation = SpeculationConfig(num_speculative_tokens, method=speculative)

@@ -11,6 +11,9 @@ drawn from, so the output follows the target's distribution exactly:
 - `DraftModelProposer`: a standalone draft model, run on the device inside
   the step program (`engine.speculative.make_spec_step`); its KV pool sits
   beside the target's in the runner, indexed by the same block tables.
+- `EagleProposer`: an EAGLE head on the target's features (Li et al. 2024),
+  on the device (`engine.speculative.make_eagle_step`); its KV pool and the
+  target's features per KV slot sit beside the target's pool.
 - `NgramProposer`: prompt lookup on the host (no model); its `p` is one-hot,
   so a draft token is accepted with probability q(x)
   (`engine.speculative.make_verify_step`).
@@ -26,7 +29,9 @@ import dataclasses
 
 import numpy as np
 
-from engine.step import build_model
+from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
+from engine.step import KVPool, build_model, kv_bytes_per_block
+from model.eagle import FC
 from scheduler.ngram import lookup
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
@@ -46,7 +51,8 @@ class SpeculationConfig:
       that arrive then.
     prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
       longest first.
-    method: the proposer, "draft" (a draft model) or "ngram" (prompt lookup).
+    method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head) or
+      "ngram" (prompt lookup).
     """
 
     num_speculative_tokens: int = 4
@@ -58,8 +64,8 @@ class SpeculationConfig:
     method: str = "draft"
 
     def __post_init__(self):
-        if self.method not in ("draft", "ngram"):
-            raise ValueError(f"speculation method must be 'draft' or 'ngram', got {self.method!r}")
+        if self.method not in ("draft", "eagle", "ngram"):
+            raise ValueError(f"speculation method must be 'draft', 'eagle' or 'ngram', got {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -210,6 +216,14 @@ class Proposer:
         """A host proposer's draft tokens for each drafting row of `plan` (None for a device proposer)."""
         return None
 
+    def pools(self, num_blocks: int, block_size: int) -> tuple:
+        """A device proposer's pools, indexed by the target's block tables (none for a host proposer)."""
+        return ()
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes `pools` take per KV block."""
+        return 0
+
     def record(self, request: Request, num_draft: int, num_accepted: int, step: int) -> None:
         """One verify step's outcome for `request` (adapts K for it and its class)."""
         self.policy.update(request.request_id, request.request_class, num_draft, num_accepted, step)
@@ -270,6 +284,16 @@ class DraftModelProposer(Proposer):
         self._behind.update(s.request.request_id for s in plan.seqs)
         return None
 
+    def pools(self, num_blocks: int, block_size: int) -> tuple:
+        return (KVPool.zeros(self.model_config, num_blocks, block_size),)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return kv_bytes_per_block(self.model_config, block_size)
+
+    def step_program(self, target_graphdef, attention, K: int):
+        """The jitted step for draft length `K` (`engine.speculative.make_spec_step`)."""
+        return make_spec_step(target_graphdef, self.graphdef, attention, K)
+
     def fork(self, parent: Request, children: list[Request]) -> None:
         """The samples share the parent's blocks, so they inherit its draft KV state."""
         if parent.request_id in self._behind:
@@ -279,6 +303,45 @@ class DraftModelProposer(Proposer):
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self._behind.discard(request_id)
+
+
+class EagleProposer(DraftModelProposer):
+    """An EAGLE head (`model.eagle.EagleHead`) drafting from the target's features, inside the step program.
+
+    The head's own KV and the target's final hidden state at every KV slot
+    (`engine.speculative.FeaturePool`) are kept beside the target's pool; a
+    step that runs without the head leaves them behind for its requests,
+    which then stop drafting (as with a draft model).
+
+    Args:
+      head: a `checkpoints.LoadedModel` whose params hold `model.eagle.FC` (`checkpoints.draft.load_draft`).
+      config: K and the adaptive-speculation settings.
+      target_config: the target's `ModelConfig`.
+      engine_config: the engine's config (the CPU kernel settings).
+    Raises:
+      ValueError: not an EAGLE head, or its width or vocabulary differs from the target's.
+    """
+
+    kind = "eagle"
+
+    def __init__(self, head, config: SpeculationConfig, target_config, engine_config):
+        if FC not in head.params:
+            raise ValueError(f"{head.config.name} is not an EAGLE head (no {FC})")
+        if head.config.hidden_size != target_config.hidden_size:
+            raise ValueError(f"the EAGLE head's width ({head.config.hidden_size}) differs from the target's "
+                             f"({target_config.hidden_size})")
+        super().__init__(head, config, target_config.vocab_size, engine_config)
+        self.target_config = target_config
+
+    def pools(self, num_blocks: int, block_size: int) -> tuple:
+        return (*super().pools(num_blocks, block_size), FeaturePool.zeros(self.target_config, num_blocks, block_size))
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return super().bytes_per_block(block_size) + FeaturePool.bytes_per_block(self.target_config, block_size)
+
+    def step_program(self, target_graphdef, attention, K: int):
+        """The jitted step for draft length `K` (`engine.speculative.make_eagle_step`)."""
+        return make_eagle_step(target_graphdef, self.graphdef, attention, K)
 
 
 class NgramProposer(Proposer):

@@ -29,10 +29,9 @@ import cpu_kernels
 from engine.config import EngineConfig
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
-from engine.speculative import SpecBatch, make_spec_step, make_verify_step
-from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, make_step,
-                         scatter_blocks)
-from model.config import ModelConfig
+from engine.speculative import SpecBatch, make_verify_step
+from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
+                         make_step, scatter_blocks)
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import Request, SamplingParams
@@ -140,11 +139,6 @@ class StepOutput:
     sampled: Sampled | None
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes of one KV block over all of `cfg`'s layers (K and V)."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
-
-
 def resolve_attention(name: str) -> Callable:
     """The paged attention function for `EngineConfig.attention`.
 
@@ -185,7 +179,6 @@ class ModelRunner:
         self.model_config = cfg
         self.config = config
         self.proposer = proposer
-        draft_config = proposer.model_config if proposer is not None else None
         self.max_blocks_per_seq = max_blocks_per_seq
         self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype)
         if proposer is not None:
@@ -193,8 +186,9 @@ class ModelRunner:
         if self.packed_bytes:
             log.info("CPU kernel weights: %.0f MB more for the packed copies", self.packed_bytes / 1e6)
         B = config.block_size
-        self.pools: tuple[KVPool, ...] = tuple(
-            KVPool.zeros(c, num_blocks, B) for c in [cfg] + ([draft_config] if draft_config else []))
+        # The target's KV pool, then the proposer's pools (a draft's KV; an EAGLE head's KV and features).
+        self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B),
+                             *(proposer.pools(num_blocks, B) if proposer is not None else ()))
         # The compiled shapes: every program is specialised to one of these.
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
@@ -246,7 +240,7 @@ class ModelRunner:
             sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
             self.pools = (pool,)
             return sampled, num_emitted
-        step = make_spec_step(self.graphdef, self.proposer.graphdef, self._attention, spec_k)
+        step = self.proposer.step_program(self.graphdef, self._attention, spec_k)
         sampled, num_emitted, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
         self.pools = tuple(pools)
         return sampled, num_emitted

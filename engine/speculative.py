@@ -25,6 +25,22 @@ are ordinary sampling steps.
 
 A host proposer (n-gram lookup) has packed its tokens into the placeholders
 already; `make_verify_step` runs steps 3 and 4 alone, with a one-hot `p`.
+
+An EAGLE head (`model.eagle.EagleHead`) drafts from the target's features,
+kept per KV slot in a `FeaturePool` beside the KV pools (`make_eagle_step`):
+  1. one head pass per row on its last real token x_j, paired with the
+     target's feature f_{j-1} (written by an earlier step), gives draft token 1;
+     K - 1 more single-token passes feed the head its own predicted feature and
+     the token drawn from it,
+  2. the target and `verify` as above; the target's hidden state at every
+     packed token goes into the feature pool,
+  3. a head pass over the whole packed batch, each token x_i paired with the
+     target's f_{i-1} from this step or an earlier one, rewrites the head's KV
+     at every new position from the target's features (the accepted draft
+     tokens' KV was written from predicted ones in 1), prefill chunks included.
+So every position the target has accepted has head KV made from target
+features (Li et al. 2024, EAGLE §4.2, where the draft is rerun on the
+accepted tokens), and draft token 1 of the next step needs one head pass.
 """
 
 from __future__ import annotations
@@ -109,16 +125,100 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
             draft_tokens = jnp.zeros((S, 0), jnp.int32)
             draft_probs = jnp.zeros((S, 0, V), jnp.float32)
             token_ids = batch.token_ids
-        sampled, num_emitted, pool = _target_verify(target, pool, batch, spec, token_ids, draft_tokens, draft_probs,
-                                                    attention)
+        sampled, num_emitted, pool, _ = _target_verify(target, pool, batch, spec, token_ids, draft_tokens,
+                                                       draft_probs, attention)
         return sampled, num_emitted, pool, draft_pool
+
+    return step
+
+
+@struct.dataclass
+class FeaturePool:
+    """The target's final hidden state (after the final norm) at every KV slot, for the EAGLE head.
+
+    f: `[1, P, B, 1, E]` in the target's dtype: the KV pool's block layout, so a block
+      operation (copy-on-write, swap) treats it as one more pool.
+    """
+
+    f: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg, num_blocks: int, block_size: int) -> FeaturePool:
+        return cls(jnp.zeros((1, num_blocks, block_size, 1, cfg.hidden_size), cfg.dtype))
+
+    @staticmethod
+    def bytes_per_block(cfg, block_size: int) -> int:
+        return block_size * cfg.hidden_size * jnp.dtype(cfg.dtype).itemsize
+
+
+def _features_before(features: FeaturePool, block_tables: jax.Array, rows: jax.Array,
+                     positions: jax.Array) -> jax.Array:
+    """f_{p-1} `[N, E]` for tokens of block-table rows `rows` int32 `[N]` at `positions` `[N]`; zeros at p = 0."""
+    B = features.f.shape[2]
+    prev = jnp.maximum(positions - 1, 0)
+    blk = jnp.take_along_axis(block_tables[rows], (prev // B)[:, None], axis=1)[:, 0]
+    return jnp.where((positions > 0)[:, None], features.f[0, blk, prev % B, 0], 0)
+
+
+@functools.cache
+def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int):
+    """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an
+    EAGLE head (see the module docstring).
+
+    Returns `(sampled, num_emitted, pool, head_pool, features)`, the first two as
+    `make_spec_step`'s; the three pools are donated. `K = 0` runs no draft
+    pass but keeps the feature pool and the head's KV up to date.
+    """
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+    def step(target_state, head_state, pool: KVPool, head_pool: KVPool, features: FeaturePool, batch: StepBatch,
+             spec: SpecBatch):
+        head = nnx.merge(head_graphdef, head_state)
+        target = nnx.merge(target_graphdef, target_state)
+        last = batch.logits_indices
+        last_pos = batch.positions[last]  # [S], position of each row's last real token
+        S = last_pos.shape[0]
+        V = target.cfg.vocab_size
+        sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+        if K:
+            single = _single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last],
+                                         spec.num_draft > 0)
+            prev = _features_before(features, batch.block_tables, jnp.arange(S), last_pos)
+            h, head_pool = head(single.token_ids, prev, single.positions, paged_attend(single, attention), head_pool)
+            tokens, probs = [], []
+            for j in range(1, K + 1):
+                t, p = sample_draft(head.logits(h), *sampling, last_pos + j)
+                tokens.append(t)
+                probs.append(p)
+                if j < K:
+                    single = _single_token_batch(batch, t, last_pos + j, spec.draft_slots[j - 1], j < spec.num_draft)
+                    h, head_pool = head(single.token_ids, h, single.positions, paged_attend(single, attention),
+                                        head_pool)
+            draft_tokens = jnp.stack(tokens, axis=1)  # [S, K]
+            token_ids = batch.token_ids.at[spec.draft_token_index].set(draft_tokens, mode="drop")
+            draft_probs = jnp.stack(probs, axis=1)  # [S, K, V]
+        else:
+            draft_tokens = jnp.zeros((S, 0), jnp.int32)
+            draft_probs = jnp.zeros((S, 0, V), jnp.float32)
+            token_ids = batch.token_ids
+        sampled, num_emitted, pool, hidden = _target_verify(target, pool, batch, spec, token_ids, draft_tokens,
+                                                            draft_probs, attention)
+        B = features.f.shape[2]
+        features = FeaturePool(features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(
+            hidden.astype(features.f.dtype)))
+        T = token_ids.shape[0]
+        rows = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(T), side="right") - 1, 0, S - 1)
+        prev = _features_before(features, batch.block_tables, rows, batch.positions)
+        _, head_pool = head(token_ids, prev, batch.positions, paged_attend(batch, attention), head_pool)
+        return sampled, num_emitted, pool, head_pool, features
 
     return step
 
 
 def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array,
                    draft_tokens: jax.Array, draft_probs: jax.Array, attention: Callable):
-    """The target over the packed batch (verify windows included), then `verify` and the log-probabilities."""
+    """The target over the packed batch (verify windows included), then `verify` and the log-probabilities;
+    returns `(sampled, num_emitted, pool, hidden [T, E])`."""
     S, K = draft_tokens.shape
     V = target.cfg.vocab_size
     last_pos = batch.positions[batch.logits_indices]
@@ -128,7 +228,7 @@ def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, toke
     out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
     sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
                              jnp.repeat(batch.want_logprobs, K + 1))
-    return sampled, num_emitted, pool
+    return sampled, num_emitted, pool, hidden
 
 
 @functools.cache
@@ -142,6 +242,6 @@ def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int)
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         probs = jax.nn.one_hot(spec.draft_tokens, target.cfg.vocab_size, dtype=jnp.float32)  # [S, K, V]
-        return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, probs, attention)
+        return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, probs, attention)[:3]
 
     return step

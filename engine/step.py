@@ -18,6 +18,7 @@ import cpu_kernels
 from engine.sampler import sample
 from model.config import ModelConfig
 from pallas_kernels.reference import ragged_paged_attention_reference
+from model.eagle import FC, EagleHead
 from model.llama import Llama
 from scheduler.request import MAX_LOGPROBS
 
@@ -46,14 +47,21 @@ def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start
 
 
 def build_model(loaded, config, kernel_dtype: str | None = None):
-    """`nnx.split` of the `Llama` for `loaded` (a `LoadedModel`), with the CPU kernel's packed weights when
+    """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
+    (a `LoadedModel`), with the CPU kernel's packed weights when
     `config.matmul` (an `EngineConfig`) is "auto" on CPU and the kernel loads (`kernel_dtype`: their dtype, default the
     model's). Returns (graphdef, state, bytes of the packed copies)."""
-    model = Llama(loaded.config, params=loaded.params)
+    model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
+             else Llama(loaded.config, params=loaded.params))
     packed = 0
     if config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
         packed = model.pack_linears(kernel_dtype or loaded.config.dtype, SKINNY_MAX_ROWS)
     return (*nnx.split(model), packed)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
+    """Bytes of one KV block over all of `cfg`'s layers (K and V)."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
 
 
 @struct.dataclass

@@ -236,7 +236,7 @@ class Llama(nnx.Module):
         return params
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, attend: AttendFn,
-                 cache: object) -> tuple[jax.Array, object]:
+                 cache: object, inputs_embeds: jax.Array | None = None) -> tuple[jax.Array, object]:
         """Runs all layers over a flattened batch.
 
         Args:
@@ -244,6 +244,7 @@ class Llama(nnx.Module):
           positions: int32 `[T]`, each token's position in its sequence.
           attend: the attention function (see `AttendFn`); it owns the KV cache.
           cache: the KV cache pytree threaded through the layers (e.g. the KV pool).
+          inputs_embeds: `[T, E]` to feed the first layer instead of the token embeddings (the EAGLE head).
         Returns:
           (hidden states `[T, E]` after the final norm, updated cache).
         """
@@ -251,7 +252,7 @@ class Llama(nnx.Module):
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = token_ids.shape[0]
         inv_freq = self.inv_freq[...]
-        x = jnp.take(self.embed[...], token_ids, axis=0)
+        x = jnp.take(self.embed[...], token_ids, axis=0) if inputs_embeds is None else inputs_embeds
         for index, lp in enumerate(self.layers):
             with jax.named_scope("attention"):
                 h = rms_norm(x, lp.attn_norm[...], cfg.rms_norm_eps)

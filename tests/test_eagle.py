@@ -1,0 +1,220 @@
+"""The EAGLE head as a proposer (`engine.proposers.EagleProposer`), on tiny random-weight models.
+
+A head built from a one-layer target's own layer, reading the token embedding
+and ignoring the features (fc = [I; 0]), predicts the target's hidden state
+exactly, so it accepts every draft token: that checks the head's KV and the
+draft passes. Perturbed heads that also read the features give partial
+acceptance, for greedy equality, the chi-square tests and the pool contents.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from checkpoints import LoadedModel, Tokenizer
+from checkpoints.draft import early_exit_draft, load_draft, save_draft
+from checkpoints.resolve import random_params
+from engine import Engine, EngineConfig
+from engine.proposers import SpeculationConfig
+from model.config import get_preset
+from model.eagle import FC, EagleHead
+from model.llama import Llama, dense_attention
+from scheduler.request import InvalidRequestError, SamplingParams
+from tests.test_speculative import CFG, PROMPTS, _chi2_pvalue, _exact_joint, _first_three_tokens, _run
+
+
+def _target(vocab_size=256, seed=0, scale=4.0, num_layers=1):
+    cfg = get_preset("tiny-llama").replace(vocab_size=vocab_size, num_layers=num_layers)
+    params = {k: v if k.endswith("norm") else v * scale for k, v in random_params(cfg, seed).items()}
+    return LoadedModel(cfg, params, Tokenizer.byte_level(256, eos_token_ids=cfg.eos_token_ids))
+
+
+def _head(target, noise=0.0, feature_mix=0.0, seed=1):
+    """The target's last layer as an EAGLE head: weights + `noise` x their std, fc = [I; feature_mix x R]."""
+    base = early_exit_draft(target, [target.config.num_layers - 1], name="tiny-eagle")
+    rng = np.random.default_rng(seed)
+    params = {k: v if k.endswith("norm") or k == "embed" or noise == 0 else
+              v + noise * np.std(v) * rng.standard_normal(v.shape).astype(v.dtype) for k, v in base.params.items()}
+    E = target.config.hidden_size
+    params[FC] = np.concatenate([np.eye(E), feature_mix * rng.standard_normal((E, E)) / np.sqrt(E)]).astype(np.float32)
+    return dataclasses.replace(base, params=params)
+
+
+EAGLE = SpeculationConfig(3, min_acceptance=0.0, method="eagle")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target()
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return Engine(target, CFG)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return _head(target, noise=0.03, feature_mix=0.01)
+
+
+@pytest.fixture(scope="module")
+def eagle(target, head):
+    return Engine(target, CFG, draft=head, speculation=EAGLE)
+
+
+def test_a_head_equal_to_the_target_accepts_every_draft_token(target, plain):
+    same = Engine(target, CFG, draft=_head(target), speculation=EAGLE)
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = _run(same, PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == want
+        assert all(o.acceptance_rate == 1.0 for o in outs)
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(PROMPTS))]
+    assert all(o.acceptance_rate == 1.0 for o in _run(same, PROMPTS, sampled))
+    # 23 tokens after the first: verifies of K + 1 = 4 tokens, then the remainder.
+    assert same.stats.position_acceptance == [1.0, 1.0, 1.0]
+
+
+def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(plain, eagle):
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
+    for _ in range(2):
+        outs = _run(eagle, PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == want
+    rates = [o.acceptance_rate for o in outs]
+    assert all(0 < r < 1 for r in rates), rates  # both outcomes of the verify happen
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_greedy_equals_target_alone_under_preemption(target, swap):
+    """Preempted sequences come back with their features and head KV (swap) or recompute them."""
+    limits = EngineConfig(num_blocks=10, block_size=8, max_num_seqs=8, max_num_batched_tokens=16,
+                          swap_space_bytes=(1 << 20) * swap, swap_threshold_tokens=1, kv_watermark=0.0)
+    greedy = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5
+    small = Engine(target, limits, draft=_head(target), speculation=EAGLE)
+    outs = _run(small, PROMPTS[:5], greedy)
+    sch = small.scheduler
+    assert (sch.num_swapped > 0, sch.num_recomputed > 0) == (swap, not swap)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _run(Engine(target, limits), PROMPTS[:5], greedy)]
+    if swap:  # swapped-in features and head KV are the ones swapped out: the head stays exact
+        assert all(o.acceptance_rate == 1.0 for o in outs)
+
+
+def test_pools_hold_the_target_features_and_the_head_kv_of_every_position(target, head, eagle):
+    """Mid-generation, after verifies that rejected draft tokens: at every position the target has run,
+    the feature pool holds the target's hidden state and the head's KV pool the K/V of a fresh head pass
+    over (target feature before, token) pairs."""
+    sp = SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
+    request = eagle.add_request(PROMPTS[4], sp)
+    for _ in range(8):
+        eagle.step()
+    tokens = request.token_ids(0, request.num_tokens)
+    n = request.num_computed_tokens  # the last token is sampled, not yet run
+    assert n == len(tokens) - 1
+    assert request.num_draft_tokens > request.num_accepted_tokens > 0
+    _, head_pool, features = eagle.runner.pools
+    B = CFG.block_size
+    blocks = np.asarray(request.allocation.block_ids)
+    pos = np.arange(n)
+    blk, off = blocks[pos // B], pos % B
+
+    model = Llama(target.config, params=target.params)
+    want_f = np.asarray(_dense(model, tokens[:n]))
+    np.testing.assert_allclose(np.asarray(features.f[0, blk, off, 0]), want_f, rtol=1e-4, atol=1e-4)
+
+    prev = np.concatenate([np.zeros_like(want_f[:1]), want_f[:-1]])
+    kv = {}
+    _dense(EagleHead(head.config, head.params), tokens[:n], features=prev, keep=kv)
+    np.testing.assert_allclose(np.asarray(head_pool.k[0, blk, off]), kv["k"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(head_pool.v[0, blk, off]), kv["v"], rtol=1e-4, atol=1e-4)
+    eagle.abort(request.request_id)
+
+
+def _dense(model, tokens, features=None, keep=None):
+    """A dense causal pass over one sequence; with `keep`, the first layer's K and V are stored in it."""
+    ids = jnp.asarray(tokens, jnp.int32)
+    pos = jnp.arange(len(tokens), dtype=jnp.int32)
+    seg = jnp.zeros(len(tokens), jnp.int32)
+
+    def attend(q, k, v, layer, cache):
+        if keep is not None and layer == 0:
+            keep["k"], keep["v"] = np.asarray(k), np.asarray(v)
+        return dense_attention(q, k, v, pos, seg), cache
+
+    if features is None:
+        return model(ids, pos, attend, None)[0]
+    return model(ids, jnp.asarray(features), pos, attend, None)[0]
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                                SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.1)],
+                         ids=["t1", "t0.7", "top_p0.9", "min_p0.1"])
+def test_first_three_tokens_follow_the_target_exactly(sp):
+    """As the draft model's test (tests/test_speculative.py): N = 3000 seeded requests, vocabulary 8, the
+    exact joint of the first three tokens accepted at the 0.001 level, the unfiltered one rejected (the
+    power to see a difference of that size)."""
+    target = _target(vocab_size=8, seed=0, scale=8.0)
+    head = _head(target, noise=0.5, feature_mix=0.5)
+    engine = Engine(target, EngineConfig(num_blocks=300, block_size=4, max_num_seqs=64, max_num_batched_tokens=256),
+                    draft=head, speculation=SpeculationConfig(2, min_acceptance=0.0, method="eagle"))
+    prompt = [1, 5, 2]
+    N = 3000
+    counts, drafted, accepted = _first_three_tokens(engine, prompt, sp, N)
+    assert drafted >= N and 0.1 < accepted / drafted < 0.95  # verify accepted and rejected many
+    assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
+    if sp.temperature != 1.0 or sp.top_p != 1.0 or sp.min_p:
+        unfiltered = _exact_joint(target, prompt, SamplingParams(temperature=1.0))
+        assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
+
+
+def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, plain):
+    same = Engine(target, CFG, draft=_head(target), speculation=EAGLE)
+    prompt = PROMPTS[3]
+    free = _run(plain, [prompt], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])[0]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[free.token_ids[6]]),
+        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[free.text[5:8]]),
+    ]
+    for sp in cases:
+        want, got = _run(plain, [prompt], [sp])[0], _run(same, [prompt], [sp])[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert same.blocks.num_free_blocks == same.blocks.num_usable_blocks
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(eagle):
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=16, ignore_eos=True)
+    alone = _run(eagle, [PROMPTS[0]], [sp])[0]
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
+    mixed = _run(eagle, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
+    assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
+
+
+def test_save_and_load_round_trip(target, tmp_path):
+    tied = LoadedModel(target.config.replace(tie_word_embeddings=True),
+                       {k: v for k, v in target.params.items() if k != "lm_head"}, target.tokenizer)
+    head = _head(tied, noise=0.03, feature_mix=0.01)
+    save_draft(tmp_path / "h", head.config, head.params, None, target_name="tiny", storage_dtype="float32")
+    loaded = load_draft(str(tmp_path / "h"), tied)
+    assert set(loaded.params) == set(head.params)
+    for k, v in head.params.items():
+        np.testing.assert_array_equal(loaded.params[k], v)
+    engine = Engine(tied, CFG, draft=loaded)  # the kind comes from the head: EAGLE, not a draft model
+    assert engine.proposer.kind == "eagle"
+
+
+def test_wrong_kind_of_draft_is_refused(target):
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        Engine(target, CFG, draft=_target(num_layers=1, seed=3), speculation=EAGLE)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        Engine(target, CFG, draft=_head(target), speculation=SpeculationConfig(3, method="draft"))
+    with pytest.raises(InvalidRequestError, match="exceeds"):
+        Engine(target, CFG, draft=_head(target), speculation=EAGLE).add_request(
+            [1, 2], SamplingParams(num_speculative_tokens=4))
+    with pytest.raises(ValueError, match="EAGLE head needs"):
+        EagleHead(target.config, {k: v for k, v in _head(target).params.items() if k != FC})
