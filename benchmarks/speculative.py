@@ -55,6 +55,8 @@ flags.DEFINE_integer("adaptive_requests", 8, "Requests per domain in the adaptiv
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds).")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
+flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
+                  "The draft's / head's weights in the CPU kernel (default: their dtype).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy (speculative output asserted equal to the plain engine's); "
                    "else seeded sampling at this temperature.")
 flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
@@ -201,7 +203,8 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
-        return LLM(target, speculative=name, draft_model=heads.get(name), **kw)
+        return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
+                   **kw)
 
     spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
                  for name in FLAGS.proposers for k in ks}

@@ -45,6 +45,9 @@ DEFAULT_EAGLE = "smollm2-135m-eagle"
 # The draft and the EAGLE head each bundled target uses when none is named.
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
+# The proposer `speculative="auto"` turns on for a model, once `benchmarks/speculative.py` shows it pays there.
+# None does yet: the bundled SmolLM2 EAGLE head runs at 0.83-0.88x on chat on the CPU (benchmarks/RESULTS.md).
+AUTO_SPECULATION: dict[str, str] = {}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
 

@@ -23,8 +23,8 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
 # Speculative decoding.
 flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "draft", "ngram", "off"],
                   "Speculative decoding: eagle = an EAGLE head on the target's features proposes, draft = a "
-                  "draft model proposes, ngram = prompt lookup; auto = the model's bundled EAGLE head, else its "
-                  "bundled draft, else off.")
+                  "draft model proposes, ngram = prompt lookup; auto = the proposer shown to pay on the model "
+                  "(checkpoints.draft.AUTO_SPECULATION; none yet), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model or EAGLE head (bundled name or path); default: the "
                     "model's own.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")

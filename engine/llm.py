@@ -32,8 +32,9 @@ class LLM:
       speculative: "eagle" (an EAGLE head on the target's features proposes
         tokens), "draft" (a draft model proposes), "ngram" (prompt lookup:
         tokens that followed the latest earlier occurrence of the last few
-        tokens), None (off), or "auto": "eagle" when `model` names a model with
-        a bundled EAGLE head, else "draft" when it has a bundled draft, else off.
+        tokens), None (off), or "auto": the proposer
+        `checkpoints.draft.AUTO_SPECULATION` lists for `model` (one the
+        benchmark showed to pay; none yet), or with `draft_model` its kind, else off.
       draft_model: the draft or EAGLE head (bundled name, path, or
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
@@ -47,7 +48,7 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 4, **engine_args):
-        from checkpoints.draft import DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, draft_names, load_draft
+        from checkpoints.draft import AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, draft_names, load_draft
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
@@ -56,9 +57,8 @@ class LLM:
         defaults = {"eagle": DEFAULT_EAGLE_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
         if speculative == "auto" and not given:
-            bundled = [kind for kind, table in defaults.items()
-                       if isinstance(model, str) and table.get(model) in draft_names()]
-            speculative = bundled[0] if bundled else None
+            kind = AUTO_SPECULATION.get(model) if isinstance(model, str) else None
+            speculative = kind if kind in defaults and defaults[kind].get(model) in draft_names() else None
         draft = None
         if speculative in defaults or given:
             if draft_model is None:

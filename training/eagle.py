@@ -13,8 +13,13 @@ Stages (each reads the previous one's files in `--workdir`):
             smooth-L1 loss to f_i plus `--token_weight` times the cross-entropy
             from the target's distribution softmax(head(f_i)) to the head's
             softmax(head(f-hat_i)), both over the partial head's tokens (Li et al.
-            2024, EAGLE §4.3, where the weight is 0.1 and the noise uniform);
-            -> `--out`, a draft directory (`checkpoints.draft.save_draft`)
+            2024, EAGLE §4.3, where the weight is 0.1 and the noise uniform).
+            With `--unroll=2` a second pass feeds the head its own predictions
+            (f-hat_{i-1}, x_i) and adds the same losses: drafting past the first
+            token reads predicted features, and a head trained on the target's
+            alone accepts almost nothing there (a simplified form of EAGLE-3's
+            training-time test, Li et al. 2025 §3); -> `--out`, a draft directory
+            (`checkpoints.draft.save_draft`)
 
 The head's layer starts as a copy of the target's last layer, `fc` as
 [0.5 I; 0.5 I]; the embedding and the LM head rows are the target's, frozen.
@@ -48,6 +53,7 @@ flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_float("token_weight", 0.1, "Weight of the token (cross-entropy) loss next to the feature loss.")
 flags.DEFINE_float("noise", 0.2, "Input features get uniform noise of +- this times their RMS.")
 flags.DEFINE_integer("tokens_per_batch", 2048, "Padded tokens per batch.")
+flags.DEFINE_integer("unroll", 2, "Passes per batch: 1 teacher-forced only, 2 also on the head's own predictions.")
 flags.DEFINE_integer("max_len", 1024, "Sequences are cut to this many tokens.")
 flags.DEFINE_integer("seed", 0, "Noise and shuffling seed.")
 flags.DEFINE_integer("log_every", 20, "Training steps between log lines.")
@@ -65,6 +71,7 @@ class EagleConfig:
     token_weight: float = 0.1
     noise: float = 0.2
     tokens_per_batch: int = 2048
+    unroll: int = 2
     max_len: int = 1024
     seed: int = 0
     log_every: int = 20
@@ -181,15 +188,22 @@ def train(workdir: str, config: EagleConfig) -> None:
         prev = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
         rms = jnp.sqrt(jnp.mean(prev * prev, axis=-1, keepdims=True))
         prev = prev + config.noise * rms * jax.random.uniform(key, prev.shape, minval=-1.0, maxval=1.0)
-        pred = predict(params, tokens, prev)
         w = valid.astype(jnp.float32)
         n = jnp.maximum(w.sum(), 1.0)
-        feat_loss = jnp.sum(w * jnp.mean(optax.huber_loss(pred, feats), axis=-1)) / n
         logq = jax.nn.log_softmax(feats @ head_rows.T, axis=-1)  # the target's next-token distribution
-        logp = jax.nn.log_softmax(pred @ head_rows.T, axis=-1)
-        token_loss = jnp.sum(w * -jnp.sum(jnp.exp(logq) * logp, axis=-1)) / n
-        agree = jnp.sum(w * (jnp.argmax(logp, -1) == jnp.argmax(logq, -1))) / n
-        return feat_loss + config.token_weight * token_loss, {"feat": feat_loss, "token": token_loss, "top1": agree}
+        loss, metrics = 0.0, {}
+        for u in range(config.unroll):
+            pred = predict(params, tokens, prev)
+            feat_loss = jnp.sum(w * jnp.mean(optax.huber_loss(pred, feats), axis=-1)) / n
+            logp = jax.nn.log_softmax(pred @ head_rows.T, axis=-1)
+            token_loss = jnp.sum(w * -jnp.sum(jnp.exp(logq) * logp, axis=-1)) / n
+            agree = jnp.sum(w * (jnp.argmax(logp, -1) == jnp.argmax(logq, -1))) / n
+            loss = loss + feat_loss + config.token_weight * token_loss
+            tag = "" if u == 0 else str(u + 1)
+            metrics.update({f"feat{tag}": feat_loss, f"token{tag}": token_loss, f"top1{tag}": agree})
+            # The next pass reads this one's predictions, as drafting does after its first token.
+            prev = jnp.concatenate([jnp.zeros_like(pred[:, :1]), jax.lax.stop_gradient(pred[:, :-1])], axis=1)
+        return loss, metrics
 
     def batch_arrays(tokens_src, lengths_, offsets_, feats_src, idx, Lq, S):
         tokens = np.zeros((S, Lq), np.int32)
@@ -216,17 +230,20 @@ def train(workdir: str, config: EagleConfig) -> None:
 
     @jax.jit
     def eval_step(params, tokens, f, valid):
-        return loss_fn(params, tokens, f, valid, jax.random.key(0))[1]  # noise drawn but unused below
+        return loss_fn(params, tokens, f, valid, jax.random.key(0))[1]
 
-    def evaluate(params) -> float:
-        hits = n = 0.0
+    def evaluate(params) -> dict[str, float]:
+        """Top-1 agreement with the target on the eval split, per pass (pass 2: from predicted features)."""
+        hits, n = {}, 0.0
         for Lq, idx in batches(ev_lengths.tolist(), config.tokens_per_batch):
             S = max(1, config.tokens_per_batch // Lq)
             tokens, f, valid = batch_arrays(ev_tokens, ev_lengths, ev_offsets, ev_feats, idx, Lq, S)
             m = eval_step(params, tokens, f, valid)
-            hits += float(m["top1"]) * valid.sum()
+            for k, v in m.items():
+                if k.startswith("top1"):
+                    hits[k] = hits.get(k, 0.0) + float(v) * valid.sum()
             n += valid.sum()
-        return hits / max(n, 1)
+        return {k: round(v / max(n, 1), 4) for k, v in hits.items()}
 
     rng = np.random.default_rng(config.seed)
     key = jax.random.key(config.seed)
@@ -240,12 +257,12 @@ def train(workdir: str, config: EagleConfig) -> None:
             step += 1
             if step % config.log_every == 0 or step == total:
                 m = {k: float(v) for k, v in metrics.items()}
-                logging.info("train: epoch %d step %d/%d loss %.4f feat %.4f token %.3f top1 %.3f (%.0f s)", epoch,
-                             step, total, m["loss"], m["feat"], m["token"], m["top1"], time.perf_counter() - t0)
+                logging.info("train: epoch %d step %d/%d %s (%.0f s)", epoch, step, total,
+                             " ".join(f"{k} {v:.3f}" for k, v in m.items()), time.perf_counter() - t0)
         agree = evaluate(params)
-        history.append({"epoch": epoch, "steps": step, "eval_top1": round(agree, 4)})
-        logging.info("train: epoch %d eval top-1 agreement with the target (teacher-forced) %.4f (%.0f s)", epoch,
-                     agree, time.perf_counter() - t0)
+        history.append({"epoch": epoch, "steps": step, "eval": agree})
+        logging.info("train: epoch %d eval top-1 agreement with the target %s (%.0f s)", epoch, agree,
+                     time.perf_counter() - t0)
     head = merged(params)
     out = {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32) for k, v in head.body.to_params().items()}
     out[FC] = np.asarray(head.fc[...], np.float32)
