@@ -9,8 +9,9 @@ what `pack` reads (tokens, block ids, sampling settings).
 
 With a draft model (`engine.proposers.DraftModelProposer`), the draft's KV
 pool sits beside the target's in `pools`: the same block tables index both,
-so a block operation (copy-on-write, swap) applies to every pool at once. A
-host proposer (`NgramProposer`) has no pool; its steps run the target and
+so a block operation (copy-on-write, swap) applies to every pool at once; an
+EAGLE head's KV pool and the target's features (`FeaturePool`) sit there the
+same way (`Proposer.pools`). A host proposer (`NgramProposer`) has no pool; its steps run the target and
 the verify alone.
 """
 
