@@ -101,7 +101,6 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
         target = nnx.merge(target_graphdef, target_state)
         hidden, draft_pool = draft(batch.token_ids, batch.positions, paged_attend(batch, attention), draft_pool)
         last_pos = batch.positions[batch.logits_indices]  # [S], position of each row's last real token
-        S = last_pos.shape[0]
         V = target.cfg.vocab_size
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         tokens, probs = [], []
@@ -118,13 +117,7 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
                     t, p = sample_draft(draft.logits(h), *sampling, last_pos + j + 1)
                     tokens.append(t)
                     probs.append(p)
-            draft_tokens = jnp.stack(tokens, axis=1)  # [S, K]
-            token_ids = batch.token_ids.at[spec.draft_token_index].set(draft_tokens, mode="drop")
-            draft_probs = jnp.stack(probs, axis=1)  # [S, K, V]
-        else:
-            draft_tokens = jnp.zeros((S, 0), jnp.int32)
-            draft_probs = jnp.zeros((S, 0, V), jnp.float32)
-            token_ids = batch.token_ids
+        token_ids, draft_tokens, draft_probs = _place_drafts(batch, spec, tokens, probs, V)
         sampled, num_emitted, pool, _ = _target_verify(target, pool, batch, spec, token_ids, draft_tokens,
                                                        draft_probs, attention)
         return sampled, num_emitted, pool, draft_pool
@@ -180,12 +173,12 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
         S = last_pos.shape[0]
         V = target.cfg.vocab_size
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+        tokens, probs = [], []
         if K:
             single = _single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last],
                                          spec.num_draft > 0)
             prev = _features_before(features, batch.block_tables, jnp.arange(S), last_pos)
             h, head_pool = head(single.token_ids, prev, single.positions, paged_attend(single, attention), head_pool)
-            tokens, probs = [], []
             for j in range(1, K + 1):
                 t, p = sample_draft(head.logits(h), *sampling, last_pos + j)
                 tokens.append(t)
@@ -194,13 +187,7 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
                     single = _single_token_batch(batch, t, last_pos + j, spec.draft_slots[j - 1], j < spec.num_draft)
                     h, head_pool = head(single.token_ids, h, single.positions, paged_attend(single, attention),
                                         head_pool)
-            draft_tokens = jnp.stack(tokens, axis=1)  # [S, K]
-            token_ids = batch.token_ids.at[spec.draft_token_index].set(draft_tokens, mode="drop")
-            draft_probs = jnp.stack(probs, axis=1)  # [S, K, V]
-        else:
-            draft_tokens = jnp.zeros((S, 0), jnp.int32)
-            draft_probs = jnp.zeros((S, 0, V), jnp.float32)
-            token_ids = batch.token_ids
+        token_ids, draft_tokens, draft_probs = _place_drafts(batch, spec, tokens, probs, V)
         sampled, num_emitted, pool, hidden = _target_verify(target, pool, batch, spec, token_ids, draft_tokens,
                                                             draft_probs, attention)
         B = features.f.shape[2]
@@ -213,6 +200,17 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
         return sampled, num_emitted, pool, head_pool, features
 
     return step
+
+
+def _place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, V: int):
+    """The packed tokens with the draft tokens (K lists of `[S]`) in their placeholders, the draft tokens
+    `[S, K]` and their distributions `[S, K, V]` (K = 0: the batch's tokens and empty arrays)."""
+    S = spec.num_draft.shape[0]
+    if not tokens:
+        return batch.token_ids, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0, V), jnp.float32)
+    draft_tokens = jnp.stack(tokens, axis=1)
+    token_ids = batch.token_ids.at[spec.draft_token_index].set(draft_tokens, mode="drop")
+    return token_ids, draft_tokens, jnp.stack(probs, axis=1)
 
 
 def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array,

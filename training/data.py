@@ -135,14 +135,14 @@ def read_continuations(workdir: str, split: str) -> list[dict]:
     return sorted((r for r in rows if r["split"] == split), key=lambda r: r["key"])
 
 
-def dense_hidden(model, tokens):
-    """Final hidden states `[S, Lq, E]` of a right-padded batch `tokens [S, Lq]`, causal per row."""
+def dense_rows(S: int, Lq: int):
+    """(positions int32 `[S * Lq]`, an `AttendFn`) for `S` right-padded rows of `Lq` tokens flattened:
+    causal attention within each row, no cache."""
     import jax
     import jax.numpy as jnp
 
     from model.llama import dense_attention
 
-    S, Lq = tokens.shape
     pos = jnp.arange(Lq, dtype=jnp.int32)
     seg = jnp.zeros(Lq, jnp.int32)
     rows = lambda x: x.reshape(S, Lq, *x.shape[1:])
@@ -151,7 +151,14 @@ def dense_hidden(model, tokens):
         out = jax.vmap(lambda q, k, v: dense_attention(q, k, v, pos, seg))(rows(q), rows(k), rows(v))
         return out.reshape(q.shape), cache
 
-    hidden, _ = model(tokens.reshape(-1), jnp.tile(pos, S), attend, None)
+    return jnp.tile(pos, S), attend
+
+
+def dense_hidden(model, tokens):
+    """Final hidden states `[S, Lq, E]` of a right-padded batch `tokens [S, Lq]`, causal per row."""
+    S, Lq = tokens.shape
+    positions, attend = dense_rows(S, Lq)
+    hidden, _ = model(tokens.reshape(-1), positions, attend, None)
     return hidden.reshape(S, Lq, -1)
 
 

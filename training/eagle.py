@@ -36,7 +36,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from training.data import batches, dense_hidden, read_continuations
+from training.data import batches, dense_hidden, dense_rows, read_continuations
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -144,7 +144,6 @@ def train(workdir: str, config: EagleConfig) -> None:
     from checkpoints import load_model
     from checkpoints.draft import save_draft
     from model.eagle import FC, EagleHead
-    from model.llama import dense_attention
 
     def load(split):
         seqs = np.load(os.path.join(workdir, f"feature_seqs_{split}.npz"))
@@ -170,24 +169,16 @@ def train(workdir: str, config: EagleConfig) -> None:
 
     def predict(params, tokens, prev):
         """Dense causal head over right-padded rows: tokens `[S, Lq]`, prev features `[S, Lq, E]`."""
-        head = merged(params)
         S, Lq = tokens.shape
-        pos = jnp.arange(Lq, dtype=jnp.int32)
-        seg = jnp.zeros(Lq, jnp.int32)
-        rows = lambda x: x.reshape(S, Lq, *x.shape[1:])
-
-        def attend(q, k, v, _, cache):
-            out = jax.vmap(lambda q, k, v: dense_attention(q, k, v, pos, seg))(rows(q), rows(k), rows(v))
-            return out.reshape(q.shape), cache
-
-        out, _ = head(tokens.reshape(-1), prev.reshape(-1, E), jnp.tile(pos, S), attend, None)
+        positions, attend = dense_rows(S, Lq)
+        out, _ = merged(params)(tokens.reshape(-1), prev.reshape(-1, E), positions, attend, None)
         return out.reshape(S, Lq, E)
 
-    def loss_fn(params, tokens, feats, valid, key):
+    def loss_fn(params, tokens, feats, valid, key, noise):
         # Input at i: (f_{i-1} + noise, x_i); target f_i. Position 0 has no f_{-1} (zeros, as in the engine).
         prev = jnp.concatenate([jnp.zeros_like(feats[:, :1]), feats[:, :-1]], axis=1)
         rms = jnp.sqrt(jnp.mean(prev * prev, axis=-1, keepdims=True))
-        prev = prev + config.noise * rms * jax.random.uniform(key, prev.shape, minval=-1.0, maxval=1.0)
+        prev = prev + noise * rms * jax.random.uniform(key, prev.shape, minval=-1.0, maxval=1.0)
         w = valid.astype(jnp.float32)
         n = jnp.maximum(w.sum(), 1.0)
         logq = jax.nn.log_softmax(feats @ head_rows.T, axis=-1)  # the target's next-token distribution
@@ -224,13 +215,14 @@ def train(workdir: str, config: EagleConfig) -> None:
 
     @jax.jit
     def train_step(params, opt_state, tokens, f, valid, key):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, f, valid, key)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, f, valid, key,
+                                                                           config.noise)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, **metrics}
 
     @jax.jit
     def eval_step(params, tokens, f, valid):
-        return loss_fn(params, tokens, f, valid, jax.random.key(0))[1]
+        return loss_fn(params, tokens, f, valid, jax.random.key(0), 0.0)[1]  # the target's features, no noise
 
     def evaluate(params) -> dict[str, float]:
         """Top-1 agreement with the target on the eval split, per pass (pass 2: from predicted features)."""
