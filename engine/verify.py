@@ -12,15 +12,15 @@ Randomness. Every random draw is keyed by (seed, stream, position), so a
 seeded request is reproducible and independent of the batch, of its row and
 of the speculation length:
   - the token the target emits last in a step (the correction or bonus token)
-    uses `fold_in(key(seed), position)` and Gumbel-max, exactly as
+    uses `fold_in(key(seed), position)` and `engine.sampler.draw`, exactly as
     `engine.sampler.sample` does; a row with no draft tokens therefore emits
     the same token as the plain sampler, bit for bit;
   - acceptance uniforms use `fold_in(fold_in(key(seed), ACCEPT_STREAM), position)`;
   - draft tokens use `fold_in(fold_in(key(seed), DRAFT_STREAM), position)`.
 The stream tags are >= 2**31, never a position (positions are int32 >= 0).
 That matters: with threefry, `fold_in(k, d)` is the same counter block as
-element `d` of `jax.random.bits(k, ...)`, so a small tag would derive the
-draft key from the noise the sampler uses at another position.
+element `d` of `jax.random.bits(k, ...)`, so a small tag could derive the
+draft key from the key the sampler uses at another position.
 
 Each (stream, position) is consumed at most once along the emitted sequence:
 a step that stops at the first rejection at position `t` has used acceptance
@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.sampler import filter_logits
+from engine.sampler import draw, filter_logits
 
 ACCEPT_STREAM = 0xFFFF_FFFF
 DRAFT_STREAM = 0xFFFF_FFFE
@@ -48,11 +48,6 @@ def _stream_keys(seeds: jax.Array, positions: jax.Array, stream: int | None) -> 
         return jax.vmap(lambda p: jax.random.fold_in(base, p))(pos.reshape(-1)).reshape(pos.shape)
 
     return jax.vmap(one)(seeds, positions)
-
-
-def _gumbel(keys: jax.Array, V: int) -> jax.Array:
-    """float32 Gumbel noise `[S, V]`, drawn as `engine.sampler.sample` draws it."""
-    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
 
 
 @jax.jit
@@ -73,8 +68,7 @@ def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, to
     def stochastic():
         t = jnp.where(temperature > 0, temperature, 1.0)
         filtered = filter_logits(logits, t, top_k, top_p, min_p)
-        noise = _gumbel(_stream_keys(seeds, positions, DRAFT_STREAM), logits.shape[-1])
-        drawn = jnp.argmax(filtered + noise, axis=-1).astype(jnp.int32)
+        drawn = draw(filtered, _stream_keys(seeds, positions, DRAFT_STREAM))
         probs = jax.nn.softmax(filtered, axis=-1)
         return jnp.where(temperature > 0, drawn, greedy), probs
 
@@ -157,8 +151,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         use_residual = rejected & jnp.any(residual > 0, axis=-1)
         scores = jnp.where(use_residual[:, None], jnp.where(residual > 0, jnp.log(residual), -jnp.inf),
                            filtered[rows, n])
-        noise = _gumbel(_stream_keys(seeds, (positions + n)[:, None], None)[:, 0], V)
-        final = jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+        final = draw(scores, _stream_keys(seeds, (positions + n)[:, None], None)[:, 0])
         sampled = temperature > 0
         return jnp.where(sampled, n, n_greedy), jnp.where(sampled, final, final_greedy)
 
