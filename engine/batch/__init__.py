@@ -1,0 +1,1 @@
+"""Offline batch jobs over JSONL files (`python -m engine.batch`): formats, files, and the loop."""

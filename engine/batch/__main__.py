@@ -1,0 +1,119 @@
+"""Offline batch jobs: generate for, or score, a JSONL file of requests.
+
+  python -m engine.batch --input=requests.jsonl --output=results.jsonl [--mode=generate|score]
+
+One output record per input line (formats: `engine.batch.formats`), in
+input order unless --unordered. Rerunning the same command resumes: lines
+already in the output are skipped, a torn last line is redone. A bad line
+gets an error record and the job goes on; the exit code is 1 when any line
+failed, 143 when SIGTERM or Ctrl-C stopped the job early (what was in
+flight is written first), 2 for bad flags or a model that cannot load.
+Sharding: run `--num_shards=N --shard_index=i` per machine, then
+`--merge=out0.jsonl,out1.jsonl,... --input=... --output=...`.
+Model, engine and speculation flags are `engine.flags`'.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from absl import app, flags, logging
+
+from engine.flags import FLAGS, llm_from_flags
+
+flags.DEFINE_string("input", None, "Input JSONL file.")
+flags.DEFINE_string("output", None, "Output JSONL file (appended to on a rerun, unless --overwrite).")
+flags.DEFINE_enum("mode", "generate", ["generate", "score"], "generate: one completion per line; score: "
+                  "log-likelihoods of texts or of continuations given contexts.")
+flags.DEFINE_integer("max_inflight", 256, "Most lines in the engine at once.")
+flags.DEFINE_bool("unordered", False, "Write records as lines finish instead of in input order.")
+flags.DEFINE_bool("overwrite", False, "Start over instead of resuming from the existing output.")
+flags.DEFINE_integer("score_stride", None, "Score mode, texts longer than the context: new tokens per window "
+                     "(the rest of the window is context). Default: half the context.")
+flags.DEFINE_string("summary_json", None, "Also write the run's summary here as JSON.")
+flags.DEFINE_integer("num_shards", 1, "Split the input into this many shards (line i goes to shard i mod n).")
+flags.DEFINE_integer("shard_index", 0, "The shard this run takes, in [0, num_shards).")
+flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --output in --input order "
+                  "(nothing is generated).")
+
+EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED = 1, 2, 128 + signal.SIGTERM
+
+
+def _fail_usage(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.set_verbosity(logging.WARNING)
+    if not FLAGS.input or not FLAGS.output:
+        return _fail_usage("--input and --output are required")
+    if not os.path.exists(FLAGS.input):
+        return _fail_usage(f"no input file {FLAGS.input}")
+    from engine.batch.io import Resume, Writer, merge_shards, read_lines, read_resume
+    from engine.batch.runner import BatchJob
+
+    if FLAGS.merge:
+        try:
+            n = merge_shards(FLAGS.input, FLAGS.merge, FLAGS.output)
+        except (ValueError, OSError) as e:
+            return _fail_usage(str(e))
+        print(f"merged {n} records from {len(FLAGS.merge)} shards into {FLAGS.output}", file=sys.stderr)
+        return 0
+    if not 0 <= FLAGS.shard_index < FLAGS.num_shards:
+        return _fail_usage(f"--shard_index must be in [0, {FLAGS.num_shards})")
+    if FLAGS.max_inflight < 1:
+        return _fail_usage("--max_inflight must be >= 1")
+    if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
+        return _fail_usage("--output must not be the input file")
+    try:
+        resume = read_resume(FLAGS.output) if not FLAGS.overwrite else None
+    except ValueError as e:
+        return _fail_usage(str(e))
+    try:
+        llm = llm_from_flags()
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        return _fail_usage(str(e.args[0] if e.args else e))
+    if resume is None:
+        resume = Resume()
+    elif resume.num_records:
+        print(f"resuming: {resume.num_records} records in {FLAGS.output}"
+              + (f" (cut a torn last line of {resume.torn_bytes} bytes)" if resume.torn_bytes else ""),
+              file=sys.stderr)
+    writer = Writer(FLAGS.output, ordered=not FLAGS.unordered, overwrite=FLAGS.overwrite)
+    job = BatchJob(llm, FLAGS.mode, writer, FLAGS.max_inflight, FLAGS.score_stride, FLAGS.model)
+
+    def stop(signum, frame):  # finish what is in flight; a second signal ends the process at once
+        job.stopping = True
+        signal.signal(signum, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    from tqdm import tqdm
+
+    progress = tqdm(total=os.path.getsize(FLAGS.input), unit="B", unit_scale=True, desc="input",
+                    disable=None, file=sys.stderr)
+    try:
+        summary = job.run(read_lines(FLAGS.input, FLAGS.num_shards, FLAGS.shard_index), resume, progress)
+    except BaseException:
+        job.abandon()
+        raise
+    finally:
+        progress.close()
+        writer.close()
+    print(summary.line(), file=sys.stderr)
+    if FLAGS.summary_json:
+        with open(FLAGS.summary_json, "w") as f:
+            json.dump(summary.as_dict(), f, indent=2)
+    if summary.interrupted:
+        return EXIT_STOPPED
+    return EXIT_FAILED_LINES if summary.lines_failed else 0
+
+
+if __name__ == "__main__":
+    app.run(main)

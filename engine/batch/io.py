@@ -1,0 +1,157 @@
+"""Files of the batch job: the streaming input reader, the crash-safe output writer, resume state, merging.
+
+Crash safety rests on three rules: a record is one line written with one
+`write` and flushed at once; on start the output is read back, a torn last
+line (no newline, or not JSON) is cut off, and the lines it holds are
+skipped; nothing else ever rewrites the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Iterator
+
+from engine.batch.formats import read_key, record_key, record_line
+
+
+@dataclasses.dataclass
+class Resume:
+    """What an earlier run of the job already wrote: ids of lines that ran, and line numbers of error records."""
+
+    done_keys: set = dataclasses.field(default_factory=set)
+    done_lines: set = dataclasses.field(default_factory=set)
+    num_records: int = 0
+    torn_bytes: int = 0  # cut from the end of the file
+
+
+def read_resume(path: str) -> Resume:
+    """Scans an existing output file and cuts a torn last line off it; a missing file is an empty state.
+
+    Raises ValueError if a line other than the last is not a JSON object
+    (the file was not written by this job, or was edited).
+    """
+    state = Resume()
+    if not os.path.exists(path):
+        return state
+    good_end = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                record = json.loads(raw) if raw.endswith(b"\n") else None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict):
+                if f.read(1):
+                    raise ValueError(f"{path}, line {n}, is not a JSON record; rerun with --overwrite to start over")
+                break
+            good_end += len(raw)
+            state.num_records += 1
+            line = record_line(record)
+            if line is not None:
+                state.done_lines.add(line)
+            else:
+                state.done_keys.add(record_key(record))
+    size = os.path.getsize(path)
+    if size > good_end:
+        state.torn_bytes = size - good_end
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return state
+
+
+def read_lines(path: str, num_shards: int = 1, shard_index: int = 0) -> Iterator[tuple[int, str, int]]:
+    """Yields (1-based line number, text, bytes read so far) for this shard's non-blank lines, streaming.
+
+    Shard `i` of `n` takes lines `i + 1, i + 1 + n, ...`.
+    """
+    with open(path, "rb") as f:
+        offset = 0
+        for n, raw in enumerate(f, start=1):
+            offset += len(raw)
+            if (n - 1) % num_shards != shard_index:
+                continue
+            text = raw.decode("utf-8", errors="replace")
+            if text.strip():
+                yield n, text, offset
+
+
+class Writer:
+    """Appends records to the output as complete lines, in input order (a reorder buffer) or as they come.
+
+    `put(seq, record)`: `seq` numbers this run's records 0, 1, 2, ... in
+    input order. Ordered, a record waits until every earlier one is written.
+    Every line is flushed when written; fsync runs at most once a second and on close.
+    """
+
+    def __init__(self, path: str, ordered: bool, overwrite: bool = False):
+        self._f = open(path, "w" if overwrite else "a", encoding="utf-8")
+        self.ordered = ordered
+        self._pending: dict[int, dict] = {}
+        self._next = 0
+        self.written = 0
+        self._synced = time.monotonic()
+
+    @property
+    def num_waiting(self) -> int:
+        """Records held back for order."""
+        return len(self._pending)
+
+    def put(self, seq: int, record: dict) -> None:
+        if not self.ordered:
+            self._write(record)
+            return
+        self._pending[seq] = record
+        while self._next in self._pending:
+            self._write(self._pending.pop(self._next))
+            self._next += 1
+
+    def _write(self, record: dict) -> None:
+        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.flush()
+        self.written += 1
+        if time.monotonic() - self._synced > 1.0:
+            os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
+
+    def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> int:
+    """Joins shard outputs (written in order, the default) into one file in input order; returns its records.
+
+    Line `n` of the input belongs to shard `(n - 1) % len(shard_paths)`; each
+    shard's next record must be that line's (same id, or an error record of
+    that line number).
+    Raises ValueError naming the first shard and line that do not match
+    (a shard not finished, run with --unordered, or of another input).
+    """
+    n_shards = len(shard_paths)
+    shards = [open(p, encoding="utf-8") for p in shard_paths]
+    written = 0
+    try:
+        with open(output_path, "w", encoding="utf-8") as out:
+            for line, text, _ in read_lines(input_path):
+                shard = (line - 1) % n_shards
+                raw = shards[shard].readline()
+                if not raw.endswith("\n"):
+                    raise ValueError(f"{shard_paths[shard]} ends before input line {line}: is the shard finished?")
+                record = json.loads(raw)
+                key, _ = read_key(text)
+                if record_line(record) != line and (record_line(record) is not None or record_key(record) != key):
+                    raise ValueError(f"{shard_paths[shard]}: the record for input line {line} (id {key!r}) is not "
+                                     "next; shards must be complete and written in order (not --unordered)")
+                out.write(raw)
+                written += 1
+            for path, f in zip(shard_paths, shards):
+                if f.readline():
+                    raise ValueError(f"{path} has records past the input's end: is it a shard of this input?")
+    finally:
+        for f in shards:
+            f.close()
+    return written

@@ -1,0 +1,301 @@
+"""The batch job's loop: input lines into one engine, continuously batched, records out as lines finish.
+
+At most `max_inflight` lines are in the engine at once (generation
+requests, and sequences being scored chunk by chunk between decode steps);
+the input is read only as fast as lines are admitted, so memory does not
+grow with the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any, Iterator
+
+import jinja2
+
+from engine.batch.formats import Job, LineError, error_record, generate_record, parse_line, read_key, score_record
+from engine.batch.io import Resume, Writer
+from engine.inputs import check_token_ids, encode_prompt
+from engine.outputs import RequestOutput
+from engine.scoring import ScoreOutput
+from scheduler.block_manager import NoFreeBlocksError
+from scheduler.request import InvalidRequestError
+
+
+@dataclasses.dataclass
+class Summary:
+    """Totals of one run (lines resumed from an earlier run count as skipped only)."""
+
+    lines_ok: int = 0
+    lines_failed: int = 0
+    lines_skipped: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    scored_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["generated_tokens_per_s"] = self.generated_tokens / self.wall_s if self.wall_s else 0.0
+        d["tokens_per_s"] = (self.prompt_tokens + self.generated_tokens + self.scored_tokens) / self.wall_s \
+            if self.wall_s else 0.0
+        d["prefix_cache_hit_rate"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        d["acceptance_rate"] = self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+        return d
+
+    def line(self) -> str:
+        d = self.as_dict()
+        parts = [f"lines ok {self.lines_ok}", f"failed {self.lines_failed}", f"skipped {self.lines_skipped}",
+                 f"prompt tokens {self.prompt_tokens}", f"generated {self.generated_tokens}"]
+        if self.scored_tokens:
+            parts.append(f"scored {self.scored_tokens}")
+        parts += [f"{self.wall_s:.1f} s", f"{d['tokens_per_s']:.1f} tok/s"]
+        if d["prefix_cache_hit_rate"] is not None:
+            parts.append(f"prefix cache hits {d['prefix_cache_hit_rate']:.1%}")
+        if d["acceptance_rate"] is not None:
+            parts.append(f"acceptance rate {d['acceptance_rate']:.2f}")
+        return ", ".join(parts) + (" (interrupted: rerun to finish)" if self.interrupted else "")
+
+
+@dataclasses.dataclass(eq=False)
+class _Generation:
+    seq: int
+    job: Job
+    prompt_ids: list[int]
+    outs: list[RequestOutput | None]
+
+
+@dataclasses.dataclass(eq=False)
+class _Scoring:
+    """A line scored window by window: `windows` are (token ids, how many of its last log-probs to keep)."""
+
+    seq: int
+    job: Job
+    token_ids: list[int]
+    windows: deque
+    num_context: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
+    greedy: list = dataclasses.field(default_factory=list)
+    current: Any = None  # the engine's ScoreJob of the window being scored
+    keep: int = 0
+
+
+def rolling_windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, end, keep) windows scoring each of `n` tokens' positions 1..n-1 exactly once.
+
+    The first window scores tokens 1..window-1; each later one scores the
+    next `stride` tokens with the `window - stride` tokens before them as
+    context (lm-evaluation-harness's `loglikelihood_rolling`, with a stride).
+    `keep` is how many of the window's last log-probabilities are new.
+    """
+    if n <= window:
+        return [(0, n, n - 1)]
+    windows = [(0, window, window - 1)]
+    scored = window  # tokens 0..scored-1 done (token 0 has no log-prob)
+    while scored < n:
+        end = min(scored + stride, n)
+        windows.append((end - window, end, end - scored))
+        scored = end
+    return windows
+
+
+class BatchJob:
+    """Runs a file's lines through `llm.engine` and writes one record per line.
+
+    Args:
+      llm: an `engine.LLM`.
+      mode: "generate" or "score".
+      writer: where records go (`engine.batch.io.Writer`).
+      max_inflight: most lines in the engine at once.
+      score_stride: new tokens per window when a text is longer than the context.
+      model_name: the `model` field of OpenAI records.
+    """
+
+    def __init__(self, llm, mode: str, writer: Writer, max_inflight: int, score_stride: int | None,
+                 model_name: str):
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self.mode = mode
+        self.writer = writer
+        self.max_inflight = max_inflight
+        window = self.engine.max_model_len
+        self.score_window = window
+        self.score_stride = min(score_stride or window // 2, window - 1)
+        self.model_name = model_name
+        self.summary = Summary()
+        self.stopping = False  # set by a signal handler: admit nothing more, finish what is in flight
+        self._generating: dict[str, _Generation] = {}
+        self._scoring: deque[_Scoring] = deque()
+        self._claimed: set = set()
+        self._seq = 0
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def _room(self) -> bool:
+        in_flight = len(self._generating) + len(self._scoring)
+        return in_flight < self.max_inflight and self.writer.num_waiting < 8 * self.max_inflight
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq - 1
+
+    def _fail(self, seq: int, line: int, key: Any, message: str, openai: bool) -> None:
+        self.summary.lines_failed += 1
+        self.writer.put(seq, error_record(line, key, message, openai))
+
+    def _admit(self, line: int, text: str, resume: Resume) -> None:
+        key, openai = read_key(text)
+        if line in resume.done_lines or (key is not None and key in resume.done_keys and key not in self._claimed):
+            self._claimed.add(key)
+            self.summary.lines_skipped += 1
+            return
+        seq = self._next_seq()
+        if key is not None and key in self._claimed:
+            self._fail(seq, line, key, f"duplicate id {key!r} (an earlier line has it)", openai)
+            return
+        self._claimed.add(key)
+        try:
+            job = parse_line(text, line, self.mode)
+            if job.kind == "generate":
+                self._start_generation(seq, job)
+            else:
+                self._start_scoring(seq, job)
+        except LineError as e:
+            self._fail(seq, line, e.key, str(e), e.openai)
+        except (InvalidRequestError, ValueError, jinja2.TemplateError) as e:  # chat template, engine limits
+            self._fail(seq, line, key, str(e.args[0] if e.args else e), openai)
+
+    def _start_generation(self, seq: int, job: Job) -> None:
+        ids = encode_prompt(self.tokenizer, job.prompt)
+        sampling = job.sampling
+        if job.api == "chat" and job.fill_context and len(ids) < self.engine.max_model_len:
+            sampling = dataclasses.replace(sampling, max_tokens=self.engine.max_model_len - len(ids))
+        request = self.engine.add_request(ids, sampling, request_id=f"line-{job.line}", priority=job.priority,
+                                          request_class=job.request_class)
+        self._generating[request.request_id] = _Generation(seq, job, ids, [None] * sampling.n)
+
+    def _start_scoring(self, seq: int, job: Job) -> None:
+        num_context = 0
+        if job.kind == "pair":
+            context, continuation = job.context, job.continuation
+            spaces = len(context) - len(context.rstrip())
+            if spaces:  # lm-evaluation-harness moves trailing whitespace to the continuation
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole = self.tokenizer.encode(context + continuation)
+            num_context = len(self.tokenizer.encode(context))
+            if num_context == 0 or num_context >= len(whole):
+                raise LineError("context and continuation must each give at least one token", job.key)
+            cut = max(0, len(whole) - self.score_window)  # drop the context's start, as the harness does
+            if cut >= num_context:
+                raise LineError(f"continuation has {len(whole) - num_context} tokens; the context limit is "
+                                f"{self.score_window}", job.key)
+            ids, num_context = whole[cut:], num_context - cut
+            windows = [(0, len(ids), len(ids) - 1)]
+        else:
+            ids = encode_prompt(self.tokenizer, job.prompt)
+            if len(ids) < 2:
+                raise LineError(f"a text to score needs at least 2 tokens, got {len(ids)}", job.key)
+            windows = rolling_windows(len(ids), self.score_window, self.score_stride)
+        check_token_ids(ids, self.engine.model_config.vocab_size, "token ids")
+        self._scoring.append(_Scoring(seq, job, ids, deque(windows), num_context))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self, lines: Iterator[tuple[int, str, int]], resume: Resume, progress=None) -> Summary:
+        """Runs every line; returns the totals. Stops admitting when `stopping` is set."""
+        t0 = time.perf_counter()
+        source = iter(lines)
+        exhausted = False
+        offset = 0
+        while True:
+            while not exhausted and not self.stopping and self._room():
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                line, text, end = item
+                self._admit(line, text, resume)
+                if progress is not None:
+                    progress.update(end - offset)
+                offset = end
+            worked = False
+            if self._scoring:
+                worked = self._score_step()
+            if self.engine.has_unfinished():
+                self._collect(self.engine.step())
+                worked = True
+            if not worked and not self._scoring and not self._generating and (exhausted or self.stopping):
+                break
+            if progress is not None:
+                progress.set_postfix(ok=self.summary.lines_ok, failed=self.summary.lines_failed,
+                                     tok_s=f"{self.summary.generated_tokens / (time.perf_counter() - t0):.0f}",
+                                     refresh=False)
+        self.summary.wall_s = time.perf_counter() - t0
+        self.summary.interrupted = self.stopping and not exhausted
+        return self.summary
+
+    def _collect(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            gen = self._generating.get(out.request_id)
+            if gen is None or not out.finished:
+                continue
+            gen.outs[out.index] = out
+            if any(o is None for o in gen.outs):
+                continue
+            del self._generating[out.request_id]
+            if any(o.finish_reason == "abort" for o in gen.outs):
+                self._fail(gen.seq, gen.job.line, gen.job.key, "the engine aborted the request", gen.job.openai)
+                continue
+            s = self.summary
+            s.lines_ok += 1
+            s.prompt_tokens += len(gen.prompt_ids)
+            s.cached_tokens += gen.outs[0].num_cached_tokens
+            s.generated_tokens += sum(len(o.token_ids) for o in gen.outs)
+            s.draft_tokens += sum(o.num_draft_tokens for o in gen.outs)
+            s.accepted_tokens += sum(o.num_accepted_tokens for o in gen.outs)
+            self.writer.put(gen.seq, generate_record(gen.job, gen.prompt_ids, gen.outs, self.model_name,
+                                                     self.tokenizer))
+
+    def _score_step(self) -> bool:
+        """Scores one chunk of the oldest scoring line; False if no KV blocks are free for it right now."""
+        task = self._scoring[0]
+        if task.current is None:
+            start, end, task.keep = task.windows.popleft()
+            try:
+                task.current = self.engine.start_score(task.token_ids[start:end])
+            except NoFreeBlocksError:
+                task.windows.appendleft((start, end, task.keep))
+                if self.engine.has_unfinished():
+                    return False  # decode steps free blocks as requests finish
+                self._scoring.popleft()
+                self._fail(task.seq, task.job.line, task.job.key, "too few free KV blocks to score this text",
+                           False)
+                return True
+        if not self.engine.score_chunk(task.current):
+            return True
+        window = task.current.output()
+        self.engine.end_score(task.current)
+        task.current = None
+        task.logprobs += window.token_logprobs[len(window.token_logprobs) - task.keep:]
+        task.greedy += window.token_is_greedy[len(window.token_is_greedy) - task.keep:]
+        if not task.windows:
+            self._scoring.popleft()
+            self.summary.lines_ok += 1
+            self.summary.scored_tokens += len(task.logprobs)
+            out = ScoreOutput(task.token_ids, task.logprobs, task.greedy)
+            self.writer.put(task.seq, score_record(task.job, out, task.num_context))
+        return True
+
+    def abandon(self) -> None:
+        """Frees what is in flight (after an error in the engine): nothing more is written for it."""
+        for request_id in list(self._generating):
+            self.engine.abort(request_id)
+        for task in self._scoring:
+            if task.current is not None:
+                self.engine.end_score(task.current)
