@@ -17,8 +17,8 @@ Tables printed:
 * memory: resident set size over a `--memory_lines` input on the tiny model
   (max_tokens 1), sampled as the job reads it.
 
-The engine runs are timed after a warm-up run that compiles every bucket,
-with the prefix cache off (the same prompts run several times).
+The engine runs are timed after a warm-up run that compiles every bucket;
+the prefix cache (on, the engine's default) is emptied before each.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 
 from absl import app, flags
 
-from benchmarks.decode_throughput import hf_batch, hf_setup, prompts_dir
+from benchmarks.baselines import hf_batch, hf_setup, prompts_dir
 
 flags.DEFINE_integer("num_prompts", 512, "Generation prompts.")
 flags.DEFINE_integer("max_tokens", 32, "Tokens generated per prompt.")
@@ -40,6 +40,8 @@ flags.DEFINE_integer("hf_batch", 32, "transformers generate batch size.")
 flags.DEFINE_integer("score_texts", 128, "Texts scored (summarization articles).")
 flags.DEFINE_integer("memory_lines", 200_000, "Lines of the memory run (tiny model); 0 skips it.")
 flags.DEFINE_bool("skip_transformers", False, "Skip the transformers baselines.")
+flags.DEFINE_bool("prefix_caching", True, "The engine's prefix cache (reset before each timed run).")
+flags.DEFINE_bool("score", True, "Run the scoring comparison.")
 FLAGS = flags.FLAGS
 
 DOMAINS = ("chat", "code", "creative", "math")
@@ -153,8 +155,8 @@ def main(argv):
     from engine import LLM, SamplingParams
 
     tmp = tempfile.mkdtemp(prefix="batch_bench_")
-    # No prefix cache: every run prefills every prompt, as transformers does.
-    llm = LLM(speculative=None, max_num_seqs=FLAGS.max_num_seqs, kv_cache_bytes=3 << 30, enable_prefix_caching=False)
+    llm = LLM(speculative=None, max_num_seqs=FLAGS.max_num_seqs, kv_cache_bytes=3 << 30,
+              enable_prefix_caching=FLAGS.prefix_caching)
     prompts = real_prompts(FLAGS.num_prompts)
     path = os.path.join(tmp, "gen.jsonl")
     with open(path, "w") as f:
@@ -167,11 +169,16 @@ def main(argv):
     print(f"{len(prompts)} prompts ({n_prompt} prompt tokens, mean {n_prompt / len(prompts):.0f}), "
           f"{FLAGS.max_tokens} tokens each, greedy; engine max_num_seqs {FLAGS.max_num_seqs}", flush=True)
     run_job(llm, path, os.path.join(tmp, "warm.jsonl"))  # compiles every bucket the job meets
+    llm.engine.blocks.reset_prefix_cache()  # each timed run starts with an empty cache
     job_s, summary = run_job(llm, path, os.path.join(tmp, "gen.out.jsonl"))
+    llm.engine.blocks.reset_prefix_cache()
     bare_s, n_bare = bare_engine(llm.engine, prompt_ids, sp)
+    if summary.as_dict()["prefix_cache_hit_rate"] is not None:
+        print(f"prefix cache hits in the job: {summary.as_dict()['prefix_cache_hit_rate']:.1%} of prompt tokens "
+              "(the chat template's system prompt)")
     n_gen = summary.generated_tokens
     rows = [("batch job (engine.batch)", job_s, n_gen), ("bare engine (add_request / step)", bare_s, n_bare)]
-    hf_s = None
+    hf_s = model = None
     if not FLAGS.skip_transformers:
         model = hf_setup(default_gguf_path())
         pad = llm.tokenizer.eos_token_ids[0]
@@ -185,7 +192,13 @@ def main(argv):
     print(f"\njob vs bare engine: {bare_s / job_s:.3f}x (target >= 0.95x)"
           + (f"; vs transformers: {hf_s / job_s:.2f}x (target >= 3x)" if hf_s else ""))
 
-    # Scoring.
+    if FLAGS.score:
+        score_table(llm, tmp, None if FLAGS.skip_transformers else model)
+    if FLAGS.memory_lines:
+        memory_run(FLAGS.memory_lines, tmp)
+
+
+def score_table(llm, tmp: str, model) -> None:
     with open(os.path.join(prompts_dir(), "summarization.jsonl")) as f:
         texts = [json.loads(line)["prompt"] for line in f if line.strip()][:FLAGS.score_texts]
     spath = os.path.join(tmp, "score.jsonl")
@@ -196,14 +209,12 @@ def main(argv):
     score_s, ssum = run_job(llm, spath, os.path.join(tmp, "score.out.jsonl"), "score")
     print(f"\n| scoring ({len(texts)} texts, {ssum.scored_tokens} tokens) | wall s | tokens/s |\n|---|---:|---:|")
     print(f"| batch job, score mode | {score_s:.1f} | {ssum.scored_tokens / score_s:.0f} |")
-    if not FLAGS.skip_transformers:
+    if model is not None:
         seqs = [llm.encode(t)[:llm.engine.max_model_len] for t in texts]
         hf_score_all(model, seqs[:2])
         hf_score = hf_score_all(model, seqs)
         print(f"| transformers forward (batch 1) | {hf_score:.1f} | {ssum.scored_tokens / hf_score:.0f} |")
         print(f"\nscoring vs transformers: {hf_score / score_s:.2f}x (target >= 1.5x)")
-    if FLAGS.memory_lines:
-        memory_run(FLAGS.memory_lines, tmp)
 
 
 if __name__ == "__main__":

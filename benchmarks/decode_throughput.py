@@ -50,6 +50,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
+
+from benchmarks.baselines import hf_batch, hf_setup, prompts_dir  # noqa: E402
 import numpy as np  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -81,15 +83,6 @@ FALLBACK_LONG = ("The history of computing spans centuries, from the abacus and 
 
 
 # ---- inputs --------------------------------------------------------------------------------
-
-def prompts_dir() -> str | None:
-    """`shared/data/prompts` beside the repository or inside it."""
-    for base in (os.path.dirname(ROOT), ROOT):
-        path = os.path.join(base, "shared", "data", "prompts")
-        if os.path.isdir(path):
-            return path
-    return None
-
 
 def read_jsonl(name: str, n: int) -> list[str] | None:
     d = prompts_dir()
@@ -269,27 +262,6 @@ def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
 
 
 # ---- transformers --------------------------------------------------------------------------
-
-def hf_setup(gguf_path: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(os.cpu_count() or 1)
-    d, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    model.eval()
-    return model
-
-
-def hf_batch(prompt_ids: list[list[int]], pad_id: int):
-    import torch
-    n = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), n), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):  # left padding
-        ids[i, n - len(p):] = torch.tensor(p)
-        mask[i, n - len(p):] = 1
-    return ids, mask
-
 
 def hf_generate(model, ids, mask, n: int, pad_id: int):
     import torch

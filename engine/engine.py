@@ -320,12 +320,26 @@ class Engine:
 
     def score_chunk(self, job: ScoreJob) -> bool:
         """Scores the job's next chunk (at most the token budget); returns True once all of it is scored."""
-        if job.num_scored < len(job.logprobs):
-            logprobs, greedy = self.runner.score_chunk(job.token_ids, job.allocation, job.num_scored)
-            job.logprobs[job.num_scored:job.num_scored + len(logprobs)] = logprobs
-            job.greedy[job.num_scored:job.num_scored + len(greedy)] = greedy
-            job.num_scored += len(logprobs)
-        return job.num_scored == len(job.logprobs)
+        return self.score_chunks([job])[0]
+
+    def score_chunks(self, jobs: list[ScoreJob]) -> list[bool]:
+        """Scores the next chunks of several jobs in one step, in order, as many tokens as the budget and
+        `max_num_seqs` allow; returns for each job whether all of it is scored."""
+        budget, chunks, taken = self.config.max_num_batched_tokens, [], []
+        for job in jobs[:self.config.max_num_seqs]:
+            m = min(budget, len(job.logprobs) - job.num_scored)
+            if m > 0:
+                chunks.append((job.token_ids, job.allocation, job.num_scored, m))
+                taken.append(job)
+                budget -= m
+            if budget == 0:
+                break
+        if chunks:
+            for job, (logprobs, greedy) in zip(taken, self.runner.score_chunks(chunks)):
+                job.logprobs[job.num_scored:job.num_scored + len(logprobs)] = logprobs
+                job.greedy[job.num_scored:job.num_scored + len(greedy)] = greedy
+                job.num_scored += len(logprobs)
+        return [job.num_scored == len(job.logprobs) for job in jobs]
 
     def end_score(self, job: ScoreJob) -> None:
         """Returns the job's KV blocks (done or abandoned); idempotent."""

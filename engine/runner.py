@@ -296,25 +296,37 @@ class ModelRunner:
 
     # ---- scoring --------------------------------------------------------------------------
 
-    def score_chunk(self, token_ids: list[int], allocation, start: int) -> tuple[np.ndarray, np.ndarray]:
-        """Log-probabilities float32 `[m]` of `token_ids[start + 1:start + 1 + m]`, each given the tokens
-        before it, with m = min(token budget, len(token_ids) - 1 - start), and bool `[m]`: whether each
-        is the argmax there.
+    def score_chunks(self, chunks: list[tuple[list[int], object, int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Scores several sequences' next chunks in one step.
 
-        Teacher forcing through the paged forward: the chunk's KV goes into
+        `chunks`: (token_ids, allocation, start, m) per sequence: the
+        log-probabilities of `token_ids[start + 1:start + 1 + m]`, each given
+        the tokens before it; together at most the token budget and
+        `max_num_seqs` sequences. Returns per sequence float32 `[m]` and bool
+        `[m]` (whether each token is the argmax there).
+
+        Teacher forcing through the paged forward: a chunk's KV goes into its
         `allocation` (the block manager's, for `len(token_ids) - 1` tokens;
         the caller frees it) after the KV of the chunks before it. Compiles
-        once per token bucket on first use.
+        once per bucket on first use.
         """
-        m = min(self.config.max_num_batched_tokens, len(token_ids) - 1 - start)  # the last token is only a target
-        # A request object only to reuse `pack`; it never enters the scheduler.
-        request = Request(token_ids, SamplingParams(), request_id="score", allocation=allocation)
-        packed = self.pack(StepPlan([ScheduledSeq(request, start, m, sample=False)], []), {"score": 0})
-        targets = np.zeros(bucket_for(m, self.token_buckets), np.int32)
-        targets[:m] = token_ids[start + 1:start + 1 + m]
-        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
+        # Request objects only to reuse `pack`; they never enter the scheduler.
+        seqs, targets = [], []
+        for i, (token_ids, allocation, start, m) in enumerate(chunks):
+            request = Request(token_ids, SamplingParams(), request_id=f"score-{i}", allocation=allocation)
+            seqs.append(ScheduledSeq(request, start, m, sample=False))
+            targets += token_ids[start + 1:start + 1 + m]
+        packed = self.pack(StepPlan(seqs, []), {s.request.request_id: 0 for s in seqs})
+        padded = np.zeros(bucket_for(len(targets), self.token_buckets), np.int32)
+        padded[:len(targets)] = targets
+        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), padded)
         self.pools = (pool, *self.pools[1:])
-        return np.asarray(logprobs)[:m], np.asarray(greedy)[:m]
+        logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
+        out, t = [], 0
+        for *_, m in chunks:
+            out.append((logprobs[t:t + m], greedy[t:t + m]))
+            t += m
+        return out
 
     # ---- compilation ----------------------------------------------------------------------
 

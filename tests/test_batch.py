@@ -69,7 +69,7 @@ def _text(rng, n):
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def _generate_lines(n_good=280, n_bad=20, seed=0):
+def _generate_lines(n_good=279, seed=0):
     """Good lines of both formats (greedy and seeded, n > 1, stop strings) and bad lines of every kind."""
     rng = random.Random(seed)
     lines = []
@@ -109,10 +109,9 @@ def _generate_lines(n_good=280, n_bad=20, seed=0):
            '{"custom_id": "o4", "method": "POST", "url": "/v1/chat/completions", "body": {"prompt": "x"}}',
            '{"custom_id": "o5", "method": "POST", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}}',
            '{"custom_id": "req-3", "method": "POST", "url": "/v1/completions", "body": {"prompt": "dup"}}',
-           '{"id": "s1", "messages": [{"role": "user"}]}']
-    assert len(bad) == n_bad
+           '{"id": "s1", "messages": [{"role": "user"}]}', '[' * 100000 + ']' * 100000]
     for j, b in enumerate(bad):
-        lines.insert(7 + j * (len(lines) // n_bad), b)
+        lines.insert(7 + j * (len(lines) // len(bad)), b)
     return lines
 
 
@@ -137,10 +136,10 @@ def test_mixed_generate_file_equals_llm_generate_and_bad_lines_get_error_records
     records = _records(tmp_path / "out.jsonl")
     assert len(records) == len(lines) == 300
     errors = [r for r in records if r.get("error")]
-    assert len(errors) == 20
+    assert len(errors) == 21
     summary = json.loads((tmp_path / "s.json").read_text())
-    assert (summary["lines_ok"], summary["lines_failed"], summary["lines_skipped"]) == (280, 20, 0)
-    assert "lines ok 280, failed 20" in out.stderr
+    assert (summary["lines_ok"], summary["lines_failed"], summary["lines_skipped"]) == (279, 21, 0)
+    assert "lines ok 279, failed 21" in out.stderr
     for n, (line, record) in enumerate(zip(lines, records), start=1):
         if isinstance(line, str):  # a bad line: its error record names it
             err = record["error"]
@@ -185,13 +184,13 @@ def _kill_when(proc, path, n_records, timeout=300):
 
 
 def test_sigkill_three_times_then_resume_equals_an_uninterrupted_run(tmp_path):
-    lines = _generate_lines(n_good=140, n_bad=20, seed=1)
+    lines = _generate_lines(n_good=140, seed=1)
     whole = tmp_path / "whole"
     whole.mkdir()
     _job(whole, lines, "--max_inflight=8")
     want = [_comparable(r) for r in _records(whole / "out.jsonl")]
     rng = random.Random(7)
-    for n_records in sorted(rng.sample(range(5, 150), 3)):
+    for n_records in sorted(rng.sample(range(5, 155), 3)):
         proc = _job(tmp_path, lines, "--max_inflight=8", wait=False)
         assert _kill_when(proc, tmp_path / "out.jsonl", n_records), "the job ended before the kill"
     with open(tmp_path / "out.jsonl", "ab") as f:

@@ -82,7 +82,7 @@ def read_key(raw: str) -> tuple[Any, bool]:
     """(the id a line names, whether it is an OpenAI line) without validating it; (None, False) if unreadable."""
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, False
     if not isinstance(obj, dict):
         return None, False
@@ -99,7 +99,7 @@ def parse_line(raw: str, line: int, mode: str) -> Job:
     """The job of one input line (1-based `line`). Raises LineError with a message naming the problem."""
     try:
         obj = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
         raise LineError(f"invalid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")

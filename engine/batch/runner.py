@@ -263,34 +263,43 @@ class BatchJob:
                                                      self.tokenizer))
 
     def _score_step(self) -> bool:
-        """Scores one chunk of the oldest scoring line; False if no KV blocks are free for it right now."""
-        task = self._scoring[0]
-        if task.current is None:
-            start, end, task.keep = task.windows.popleft()
-            try:
-                task.current = self.engine.start_score(task.token_ids[start:end])
-            except NoFreeBlocksError:
-                task.windows.appendleft((start, end, task.keep))
-                if self.engine.has_unfinished():
-                    return False  # decode steps free blocks as requests finish
-                self._scoring.popleft()
-                self._fail(task.seq, task.job.line, task.job.key, "too few free KV blocks to score this text",
-                           False)
-                return True
-        if not self.engine.score_chunk(task.current):
+        """Scores the next chunks of the oldest scoring lines, packed into one step; False if no KV blocks
+        are free for any of them right now."""
+        active = []
+        for task in list(self._scoring)[:self.engine.config.max_num_seqs]:
+            if task.current is None:
+                start, end, keep = task.windows[0]
+                try:
+                    task.current = self.engine.start_score(task.token_ids[start:end])
+                except NoFreeBlocksError:
+                    break
+                task.windows.popleft()
+                task.keep = keep
+            active.append(task)
+        if not active:
+            if self.engine.has_unfinished():
+                return False  # decode steps free blocks as requests finish
+            task = self._scoring.popleft()
+            self._fail(task.seq, task.job.line, task.job.key, "too few free KV blocks to score this text", False)
             return True
+        for task, done in zip(active, self.engine.score_chunks([t.current for t in active])):
+            if done:
+                self._end_window(task)
+        return True
+
+    def _end_window(self, task: _Scoring) -> None:
         window = task.current.output()
         self.engine.end_score(task.current)
         task.current = None
         task.logprobs += window.token_logprobs[len(window.token_logprobs) - task.keep:]
         task.greedy += window.token_is_greedy[len(window.token_is_greedy) - task.keep:]
-        if not task.windows:
-            self._scoring.popleft()
-            self.summary.lines_ok += 1
-            self.summary.scored_tokens += len(task.logprobs)
-            out = ScoreOutput(task.token_ids, task.logprobs, task.greedy)
-            self.writer.put(task.seq, score_record(task.job, out, task.num_context))
-        return True
+        if task.windows:
+            return
+        self._scoring.remove(task)
+        self.summary.lines_ok += 1
+        self.summary.scored_tokens += len(task.logprobs)
+        out = ScoreOutput(task.token_ids, task.logprobs, task.greedy)
+        self.writer.put(task.seq, score_record(task.job, out, task.num_context))
 
     def abandon(self) -> None:
         """Frees what is in flight (after an error in the engine): nothing more is written for it."""
