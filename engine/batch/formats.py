@@ -78,12 +78,16 @@ class Job:
         return self.api != "engine"
 
 
-def read_key(raw: str) -> tuple[Any, bool]:
-    """(the id a line names, whether it is an OpenAI line) without validating it; (None, False) if unreadable."""
+def decode(raw: str) -> Any:
+    """The JSON value of a line, or the `LineError` that says why it has none (each line is decoded once)."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None, False
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
+        return LineError(f"invalid JSON: {e}")
+
+
+def line_key(obj: Any) -> tuple[Any, bool]:
+    """(the id a decoded line names, whether it is an OpenAI line) without validating it; (None, False) if none."""
     if not isinstance(obj, dict):
         return None, False
     if "custom_id" in obj:
@@ -95,12 +99,10 @@ def _hashable(key: Any) -> Any:
     return key if isinstance(key, (str, int)) and not isinstance(key, bool) else None
 
 
-def parse_line(raw: str, line: int, mode: str) -> Job:
-    """The job of one input line (1-based `line`). Raises LineError with a message naming the problem."""
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser goes
-        raise LineError(f"invalid JSON: {e}") from None
+def parse_line(obj: Any, line: int, mode: str) -> Job:
+    """The job of one decoded input line (`decode`; 1-based `line`). Raises LineError naming the problem."""
+    if isinstance(obj, LineError):
+        raise obj
     if not isinstance(obj, dict):
         raise LineError(f"a line must be a JSON object, got {type(obj).__name__}")
     if "custom_id" in obj:
@@ -228,7 +230,6 @@ def record_key(record: dict) -> Any:
 def generate_record(job: Job, prompt_ids: list[int], outs: list[RequestOutput], model_name: str,
                     tokenizer) -> dict:
     """The record of a finished generation line (`outs`: one `RequestOutput` per sample, by index)."""
-    generated = sum(len(o.token_ids) for o in outs)
     if job.openai:
         return _openai_record(job, prompt_ids, outs, model_name, tokenizer)
     samples = [_sample(o) for o in outs]
@@ -237,7 +238,7 @@ def generate_record(job: Job, prompt_ids: list[int], outs: list[RequestOutput], 
         record.update(samples[0])
     else:
         record["outputs"] = [{"index": o.index, **s} for o, s in zip(outs, samples)]
-    record.update(num_prompt_tokens=len(prompt_ids), num_generated_tokens=generated,
+    record.update(num_prompt_tokens=len(prompt_ids), num_generated_tokens=sum(len(o.token_ids) for o in outs),
                   num_cached_tokens=outs[0].num_cached_tokens)
     drafted = sum(o.num_draft_tokens for o in outs)
     if drafted:

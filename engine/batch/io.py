@@ -14,7 +14,7 @@ import os
 import time
 from typing import Iterator
 
-from engine.batch.formats import read_key, record_key, record_line
+from engine.batch.formats import decode, line_key, record_key, record_line
 
 
 @dataclasses.dataclass
@@ -142,7 +142,7 @@ def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> i
                 if not raw.endswith("\n"):
                     raise ValueError(f"{shard_paths[shard]} ends before input line {line}: is the shard finished?")
                 record = json.loads(raw)
-                key, _ = read_key(text)
+                key, _ = line_key(decode(text))
                 if record_line(record) != line and (record_line(record) is not None or record_key(record) != key):
                     raise ValueError(f"{shard_paths[shard]}: the record for input line {line} (id {key!r}) is not "
                                      "next; shards must be complete and written in order (not --unordered)")

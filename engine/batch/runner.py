@@ -15,7 +15,8 @@ from typing import Any, Iterator
 
 import jinja2
 
-from engine.batch.formats import Job, LineError, error_record, generate_record, parse_line, read_key, score_record
+from engine.batch.formats import (Job, LineError, decode, error_record, generate_record, line_key, parse_line,
+                                  score_record)
 from engine.batch.io import Resume, Writer
 from engine.inputs import check_token_ids, encode_prompt
 from engine.outputs import RequestOutput
@@ -150,7 +151,8 @@ class BatchJob:
         self.writer.put(seq, error_record(line, key, message, openai))
 
     def _admit(self, line: int, text: str, resume: Resume) -> None:
-        key, openai = read_key(text)
+        obj = decode(text)
+        key, openai = line_key(obj)
         if line in resume.done_lines or (key is not None and key in resume.done_keys and key not in self._claimed):
             self._claimed.add(key)
             self.summary.lines_skipped += 1
@@ -161,7 +163,7 @@ class BatchJob:
             return
         self._claimed.add(key)
         try:
-            job = parse_line(text, line, self.mode)
+            job = parse_line(obj, line, self.mode)
             if job.kind == "generate":
                 self._start_generation(seq, job)
             else:
