@@ -22,11 +22,12 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
 * predicted speed-up (1 + K alpha) / (1 + K c) (the approximation in the issue;
   Leviathan et al. 2023 §3.4 give the exact expected tokens
   (1 - alpha^(K+1)) / (1 - alpha)), next to the measured tok/s ratio.
-* adaptive: the default engine (K = 4, halved per request class while the
-  running acceptance rate is below 0.5, retried every 200 steps) against no
-  speculation, per domain: a stream of `--adaptive_requests` requests of that
-  class served one at a time (batch 1), wall time of the whole stream (the two
-  engines take turns request by request).
+* default settings: one engine per proposer with the engine's defaults (K = 4,
+  K adapted per request class, the cost gate choosing per step the draft
+  lengths with the most expected tokens per measured second), kept across
+  the whole run with each domain as its request class, against no
+  speculation at each batch size (same timed steps; `--repeats` runs of each,
+  alternating, medians compared).
 
 Prompts are the first ones of each file's held-out split, which distillation
 never trains on (`training/data.py`).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -48,10 +50,10 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../shared/data/prompts.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
-flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K.")
+flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted); empty: only the default settings.")
+flags.DEFINE_integer("repeats", 3, "Runs of the default-settings engine per cell, alternating with the plain one.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
-flags.DEFINE_integer("adaptive_requests", 8, "Requests per domain in the adaptive-speculation stream.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds).")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
@@ -79,7 +81,7 @@ def _prompts(tok, domain, n):
             for t in texts]
 
 
-def _decode(llm, prompts):
+def _decode(llm, prompts, request_class="default"):
     """Returns (tokens/s, ms per step, tokens per step, acceptance rate or None) over the timed steps."""
     from engine import SamplingParams
 
@@ -92,8 +94,16 @@ def _decode(llm, prompts):
     widest = bucket_for(b * (1 + max(k for k in runner.spec_ks if k is not None) if len(runner.spec_ks) > 1 else b),
                         runner.token_buckets)
     engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
+    # Prefill every prompt once beforehand, so that in the run the prefix cache serves them in a step or
+    # two and all B requests decode together (long prompts would otherwise still be prefilling while
+    # the first ones finish).
+    for p in prompts:
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
     ids = [engine.add_request(p, SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=FLAGS.max_tokens,
-                                                ignore_eos=True)).request_id for i, p in enumerate(prompts)]
+                                                ignore_eos=True),
+                              request_class=request_class).request_id for i, p in enumerate(prompts)]
     st = engine.stats
     before = (st.num_verifies, st.num_accepted_tokens, list(st.drafted_at), list(st.accepted_at))
     outs, steps, tokens, elapsed, untimed = {}, 0, 0, 0.0, 2
@@ -110,6 +120,8 @@ def _decode(llm, prompts):
             tokens += sum(len(o.delta_token_ids) for o in step_outs)
         for o in step_outs:
             outs[o.request_id] = o
+    if not steps:
+        raise RuntimeError(f"no step ran with all {len(prompts)} requests decoding (too few KV blocks?)")
     drafted = sum(outs[i].num_draft_tokens for i in ids)
     accepted = sum(outs[i].num_accepted_tokens for i in ids)
     verifies = st.num_verifies - before[0]
@@ -121,44 +133,8 @@ def _decode(llm, prompts):
         [outs[i].token_ids for i in ids], length, positions
 
 
-def _streams(llms, prompts, request_class):
-    """Serves the prompts one after another as one class on each engine, alternating engines per request.
-
-    Alternating spreads the shared machine's load changes over both. Every program a stream can
-    use is compiled first (prefill buckets of these prompts and the decode buckets, for each draft
-    length of the ladder), so no compilation is timed. Returns, per engine, (tok/s, requests that
-    speculated, "draft tokens proposed / accepted").
-    """
-    from engine import SamplingParams
-    from scheduler.packing import bucket_for
-
-    for llm in llms:
-        engine = llm.engine
-        budget = engine.config.max_num_batched_tokens  # a longer prompt is prefilled in chunks of this size
-        chunks = {n for p in prompts for n in (min(len(p), budget), len(p) % budget) if n}
-        engine.precompile(sorted({(bucket_for(n, engine.runner.token_buckets), 1) for n in chunks}
-                                 | {(t, 1) for t in (1, 2, 4, 8)}))
-    sp = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens, ignore_eos=True)
-    served, elapsed = [[] for _ in llms], [0.0] * len(llms)
-    for p in prompts:
-        for i, llm in enumerate(llms):
-            t = time.perf_counter()
-            served[i].append(llm.engine.add_request(p, sp, request_class=request_class))
-            while llm.engine.has_unfinished():
-                llm.engine.step()
-            elapsed[i] += time.perf_counter() - t
-    out = []
-    for reqs, dt in zip(served, elapsed):
-        drafted = sum(r.num_draft_tokens for r in reqs)
-        out.append((sum(len(r.output_token_ids) for r in reqs) / dt, sum(r.num_draft_tokens > 0 for r in reqs),
-                    f"{drafted} / {sum(r.num_accepted_tokens for r in reqs)}"))
-    return out
-
-
 def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
     """Median ms of the target's jitted step over T tokens of one sequence (T = a verify window of K+1)."""
-    import statistics
-
     runner, out = llm.engine.runner, {}
     for T in sizes:
         packed = runner.padding_batch(T, 1)
@@ -210,12 +186,10 @@ def main(argv):
                  for name in FLAGS.proposers for k in ks}
     for llm in spec_llms.values():
         llm.engine.proposer.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
-    adaptive = {}
-    # The stream's engines: default speculation settings; prefix caching off so that the prefill shapes
-    # compiled beforehand are the ones used.
-    stream_kw = dict(max_num_seqs=1, max_num_batched_tokens=512, num_blocks=256, enable_prefix_caching=False)
-    defaults = [with_proposer(name, **stream_kw) for name in FLAGS.proposers]
-    stream_plain = LLM(target, speculative=None, **stream_kw)
+    # The default engines (K = 4, adaptive K per class and the cost gate), one per proposer, kept for the
+    # whole run so that each learns its step costs and each domain's acceptance as a server would.
+    defaults = {name: with_proposer(name, max_num_seqs=16, max_num_batched_tokens=512) for name in FLAGS.proposers}
+    adaptive = []
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = _prompts(target.tokenizer, domain, b)
@@ -229,19 +203,28 @@ def main(argv):
                 per_pos = " ".join(f"{a:.2f}" for a in positions)
                 print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {length:.2f} | {per_pos} | {per_step:.2f} "
                       f"| {c:.2f} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x "
-                      f"| {(1 + k * alpha) / (1 + k * c):.2f}x |")
-        prompts = _prompts(target.tokenizer, domain, FLAGS.adaptive_requests)
-        adaptive[domain] = _streams((*defaults, stream_plain), prompts, domain)
-    print(f"\n## Adaptive speculation (default settings), {FLAGS.adaptive_requests} requests per domain, "
-          "one at a time\n")
-    print("| domain | proposer | tok/s adaptive | tok/s no speculation | ratio | requests that speculated "
-          "| draft tokens proposed / accepted |")
+                      f"| {(1 + k * alpha) / (1 + k * c):.2f}x |", flush=True)
+            for name, llm in defaults.items():
+                # Runs alternate with the plain engine's; the medians are compared (this VM's speed drifts).
+                runs, plain_runs = [], [plain_tps]
+                for i in range(FLAGS.repeats):
+                    runs.append(_decode(llm, prompts, request_class=domain))
+                    if FLAGS.temperature == 0:
+                        assert runs[-1][4] == want, "speculative greedy output differs from the target's"
+                    if i + 1 < FLAGS.repeats:
+                        plain_runs.append(_decode(plain_llm, prompts)[0])
+                tps, per_step = (statistics.median(r[j] for r in runs) for j in (0, 2))
+                alpha = runs[-1][3]
+                plain_med = statistics.median(plain_runs)
+                row = (f"| {domain} | {name} | {b} | {tps:.1f} / {plain_med:.1f} | {tps / plain_med:.2f}x "
+                       f"| {per_step:.2f} | {alpha or 0:.2f} |")
+                adaptive.append(row)
+                print(f"default settings: {row}", flush=True)
+    print("\n## Default settings (K = 4, adaptive per request class, cost gate), per batch size\n")
+    print("| domain | proposer | batch | tok/s default / no speculation | ratio | tokens/step | alpha |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for domain, results in adaptive.items():
-        p = results[-1][0]
-        for name, (a, n, drafts) in zip(FLAGS.proposers, results[:-1]):
-            print(f"| {domain} | {name} | {a:.1f} | {p:.1f} | {a / p:.2f}x | {n} of {FLAGS.adaptive_requests} "
-                  f"| {drafts} |")
+    print("\n".join(adaptive))
+
 
 if __name__ == "__main__":
     app.run(main)

@@ -46,8 +46,9 @@ DEFAULT_EAGLE = "smollm2-135m-eagle"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 # The proposer `speculative="auto"` turns on for a model, once `benchmarks/speculative.py` shows it pays there.
-# None does yet: the bundled SmolLM2 EAGLE head runs at 0.83-0.88x on chat on the CPU (benchmarks/RESULTS.md).
-AUTO_SPECULATION: dict[str, str] = {}
+# SmolLM2: n-gram lookup with the cost gate (1.2-1.8x on summaries and long documents, never below 0.97x
+# elsewhere; benchmarks/RESULTS.md). Its bundled EAGLE head runs at 0.83-0.88x on chat on the CPU.
+AUTO_SPECULATION: dict[str, str] = {DEFAULT_MODEL: "ngram"}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from engine.compilation import compilation_count
 from engine.config import EngineConfig
-from engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer, SpeculationConfig
+from engine.proposers import (DraftModelProposer, EagleProposer, NgramProposer, Proposer, SpeculationConfig,
+                              StepCosts)
 from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
@@ -103,6 +104,8 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
         self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.proposer)
+        if self.proposer is not None:
+            self.proposer.costs = StepCosts(self.runner.token_buckets, self.runner.seq_buckets)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._states: dict[str, RequestState] = {}
         self._samples: dict[str, list[Request]] = {}  # n > 1 requests after their fork: the samples
@@ -212,6 +215,9 @@ class Engine:
         """Runs one step; returns an output for every request that got new tokens or finished."""
         timing = StepTiming()
         t0 = time.perf_counter()
+        compiled = compilation_count()
+        if self.proposer is not None:
+            self.proposer.begin_step(self.scheduler.decodes(), self.num_steps)
         plan = self.scheduler.schedule(self._draft_len if self.proposer is not None else None)
         t1 = time.perf_counter()
         self.runner.apply_block_ops(plan)
@@ -233,6 +239,8 @@ class Engine:
             outputs = self._update(plan, result)
             timing.update = time.perf_counter() - t3
         self.stats.add(timing)
+        if plan.seqs and self.proposer is not None and compilation_count() == compiled:
+            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, timing.total)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
         return outputs

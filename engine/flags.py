@@ -24,7 +24,7 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
 flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "draft", "ngram", "off"],
                   "Speculative decoding: eagle = an EAGLE head on the target's features proposes, draft = a "
                   "draft model proposes, ngram = prompt lookup; auto = the proposer shown to pay on the model "
-                  "(checkpoints.draft.AUTO_SPECULATION; none yet), else off.")
+                  "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model or EAGLE head (bundled name or path); default: the "
                     "model's own.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")

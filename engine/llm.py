@@ -33,8 +33,9 @@ class LLM:
         tokens), "draft" (a draft model proposes), "ngram" (prompt lookup:
         tokens that followed the latest earlier occurrence of the last few
         tokens), None (off), or "auto": the proposer
-        `checkpoints.draft.AUTO_SPECULATION` lists for `model` (one the
-        benchmark showed to pay; none yet), or with `draft_model` its kind, else off.
+        `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the one the
+        benchmark showed to pay: "ngram" for SmolLM2), or with `draft_model`
+        its kind, else off.
       draft_model: the draft or EAGLE head (bundled name, path, or
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
@@ -58,7 +59,8 @@ class LLM:
         given = draft_model is not None and speculative == "auto"  # its kind decides below
         if speculative == "auto" and not given:
             kind = AUTO_SPECULATION.get(model) if isinstance(model, str) else None
-            speculative = kind if kind in defaults and defaults[kind].get(model) in draft_names() else None
+            bundled = kind == "ngram" or (kind in defaults and defaults[kind].get(model) in draft_names())
+            speculative = kind if bundled else None
         draft = None
         if speculative in defaults or given:
             if draft_model is None:

@@ -18,6 +18,12 @@ drawn from, so the output follows the target's distribution exactly:
   so a draft token is accepted with probability q(x)
   (`engine.speculative.make_verify_step`).
 
+Each step, before scheduling, `begin_step` runs the cost gate: from the
+measured seconds of every step shape (`StepCosts`) and each request class's
+acceptance rate, it picks the draft lengths that give the most expected
+tokens per second for this batch, which is no drafting where speculation
+does not pay (a large batch, a class that rarely accepts).
+
 Sources: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling and the
 per-token acceptance rate alpha; Saxena 2023, *Prompt Lookup Decoding*, and
 vLLM's n-gram speculator for prompt lookup.
@@ -33,6 +39,7 @@ from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
 from engine.step import KVPool, build_model, kv_bytes_per_block
 from model.eagle import FC
 from scheduler.ngram import lookup
+from scheduler.packing import bucket_for
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
 
@@ -44,7 +51,10 @@ class SpeculationConfig:
     num_speculative_tokens: K when speculation pays (the top of the ladder
       K, K/2, ..., 1 of compiled draft lengths).
     min_acceptance: when a running acceptance rate (of a request or of its
-      class) is below this, K is halved, down to 0 (off).
+      class) is below this, K is halved, down to 0 (off). A floor for
+      proposals that hardly ever pay; whether a rate above it pays in a
+      given batch is the cost gate's call (`Proposer.begin_step`). 0 turns
+      both off: every decode drafts K.
     ema_decay: weight of the past in the running averages, per verify step.
     retry_after_steps: a class switched off is retried at K = 1 after this many
       engine steps (twice as long after each failed retry), on the requests
@@ -56,7 +66,7 @@ class SpeculationConfig:
     """
 
     num_speculative_tokens: int = 4
-    min_acceptance: float = 0.5
+    min_acceptance: float = 0.1
     ema_decay: float = 0.5
     retry_after_steps: int = 200
     prompt_lookup_max: int = 4
@@ -176,22 +186,100 @@ class AdaptiveSpeculation:
         self.requests.pop(request_id, None)
 
 
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted draft tokens of a k-token proposal when each is accepted with probability alpha
+    (given the ones before it): alpha + alpha^2 + ... + alpha^k (Leviathan et al. 2023, §3.1)."""
+    return sum(alpha ** j for j in range(1, k + 1))
+
+
+class StepCosts:
+    """Measured seconds of an engine step by its shape, as running averages.
+
+    A shape is (token bucket T, sequence bucket S, program K), K as in
+    `StepTiming.spec_k`. Steps that compiled a program are not recorded
+    (`Engine.step` skips them), so a first call never poisons a shape.
+    """
+
+    DECAY = 0.8  # weight of the past per observation
+
+    def __init__(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]):
+        self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
+        self._seconds: dict[tuple[int, int, int | None], float] = {}
+
+    def observe(self, T: int, S: int, K: int | None, seconds: float) -> None:
+        key = (T, S, K)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def get(self, T: int, S: int, K: int | None) -> float | None:
+        """Seconds of a step of this shape, None if never measured."""
+        return self._seconds.get((T, S, K))
+
+    def prior(self, T: int) -> float | None:
+        """A guess for an unmeasured shape over T tokens: the cheapest measured step of that token bucket
+        (a prefill chunk of T tokens runs the same products); None if there is none."""
+        return min((v for (t, _, _), v in self._seconds.items() if t == T), default=None)
+
+    def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""
+        if num_tokens > self.token_buckets[-1] or num_seqs > self.seq_buckets[-1]:
+            return None
+        return bucket_for(num_tokens, self.token_buckets), bucket_for(num_seqs, self.seq_buckets)
+
+
+class _Acceptance:
+    """accepted / tried draft tokens of one request class, with older verifies decaying (alpha's estimate)."""
+
+    DECAY = 0.95  # weight of the past per verify: about the last 20 verifies count
+
+    def __init__(self):
+        self.accepted, self.tried = 1.0, 1.0  # optimistic prior: a new class is tried first
+
+    def add(self, accepted: int, tried: int) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.tried = self.DECAY * self.tried + tried
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+
 class Proposer:
-    """What the engine loop needs from any proposer; the adaptive policy is shared.
+    """What the engine loop needs from any proposer; the adaptive policy and the cost gate are shared.
 
     `kind` names it (ModelInfo, metrics); `on_device` says whether it runs inside
     the step program (then `model_config` is the draft model's, whose KV pool
     the runner keeps) or on the host (then `proposals` gives its tokens).
+
+    The engine calls `begin_step` with the requests that may decode, then the
+    scheduler asks `draft_len` of each. `wanted` is what the adaptive policy
+    (and, for n-gram, the lookup) allows a request; the cost gate then picks,
+    among draft-length caps on the ladder and the top m requests by their
+    class's acceptance rate, the choice with the most expected tokens per
+    second of this step's shape (`StepCosts`, measured as the engine runs;
+    an unmeasured shape counts as the cheapest measured step of its token
+    bucket, such as a prefill chunk, or else as a plain step, so it is tried).
+    Seeded requests skip the gate (their draft lengths, and so their outputs,
+    never depend on their batch mates), unless the proposer's verify makes the
+    output independent of the draft lengths anyway (`output_independent`:
+    n-gram). `min_acceptance = 0` turns adaptation off: every decode drafts
+    what `wanted` allows.
     """
 
     kind = ""
     on_device = False
+    # True when a seeded request's output does not depend on its draft lengths, so the gate may
+    # choose them for seeded requests too.
+    output_independent = False
     model_config = None
     packed_bytes = 0
 
     def __init__(self, config: SpeculationConfig):
         self.config = config
         self.policy = AdaptiveSpeculation(config)
+        self.costs: StepCosts | None = None  # set by the engine; None: no gate
+        self._acceptance: dict = {}  # acceptance_key -> _Acceptance, alpha's estimate
+        self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
 
     def validate(self, requested: int | None) -> None:
         """Raises InvalidRequestError if a request asks for more draft tokens than the engine compiles."""
@@ -203,9 +291,76 @@ class Proposer:
         return self.policy.k_for(request.request_id, request.request_class, request.sampling.num_speculative_tokens,
                                  step, seeded=request.sampling.seed is not None)
 
-    def draft_len(self, request: Request, step: int) -> int:
-        """The draft length `request` wants at engine step `step`."""
+    def wanted(self, request: Request, step: int) -> int:
+        """The draft length the policy allows `request` at engine step `step`, before the cost gate."""
         return self.policy_k(request, step)
+
+    def acceptance_key(self, request: Request) -> str | tuple:
+        """What acceptance is estimated per: the request's class."""
+        return request.request_class
+
+    def alpha(self, request: Request) -> float:
+        """The estimated per-token acceptance rate of `request`'s next proposal (1 before any verify)."""
+        return self._acceptance.setdefault(self.acceptance_key(request), _Acceptance()).alpha
+
+    def begin_step(self, decodes: list[Request], step: int) -> None:
+        """Chooses this step's draft length for each of `decodes` (the requests that may decode)."""
+        self._drafts = {r.request_id: self.wanted(r, step) for r in decodes}
+        if self.costs is None or not decodes or self.config.min_acceptance == 0:
+            return
+        B, base = len(decodes), (0 if self.on_device else None)
+        shape = self.costs.shape(B, B)
+        plain = self.costs.get(*shape, base) if shape else None
+        if plain is None:  # measure this batch size's plain step first
+            for r in decodes:
+                if not self._outside_gate(r):
+                    self._drafts[r.request_id] = 0
+            return
+        fixed, fixed_k, gain, rows = 0, 0, 0.0, []
+        for r in decodes:
+            k = self._drafts[r.request_id]
+            if not k:
+                continue
+            a = self.alpha(r)
+            if self._outside_gate(r):
+                fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, k)
+            else:
+                rows.append((a, k, r.request_id))
+        rows.sort(key=lambda row: -row[0])
+        best, choice = (B + gain) / self._cost(B, fixed, fixed_k, plain, base), (0, 0)
+        for cap in self.config.ladder:
+            drafted, tokens, top = fixed, B + gain, fixed_k
+            for m, (a, k, _) in enumerate(rows, 1):
+                k = min(k, cap)
+                drafted, tokens, top = drafted + k, tokens + expected_accepted(a, k), max(top, k)
+                rate = tokens / self._cost(B, drafted, top, plain, base)
+                if rate > best:
+                    best, choice = rate, (cap, m)
+        cap, m = choice
+        for i, (_, k, rid) in enumerate(rows):
+            self._drafts[rid] = min(k, cap) if i < m else 0
+
+    def _outside_gate(self, request: Request) -> bool:
+        """A seeded request keeps the policy's draft length, unless drafting cannot change its output."""
+        return request.sampling.seed is not None and not self.output_independent
+
+    def _cost(self, B: int, drafted: int, top: int, plain: float, base: int | None) -> float:
+        """Seconds of a step of B decodes verifying `drafted` draft tokens, at most `top` per row."""
+        if drafted == 0:
+            return plain
+        shape = self.costs.shape(B, B + drafted)
+        if shape is None:
+            return float("inf")
+        K = min(k for k in self.config.ladder if k >= top)
+        seconds = self.costs.get(*shape, K)
+        if seconds is None:
+            seconds = self.costs.prior(shape[0])
+        return plain if seconds is None else max(seconds, plain)
+
+    def draft_len(self, request: Request, step: int) -> int:
+        """The draft length `request` gets at engine step `step` (the gate's choice from `begin_step`)."""
+        d = self._drafts.get(request.request_id)
+        return self.wanted(request, step) if d is None else d
 
     def step_k(self, plan: StepPlan, step: int) -> int | None:
         """The step's program: None (target only) or a ladder K >= every row's draft length."""
@@ -225,8 +380,11 @@ class Proposer:
         return 0
 
     def record(self, request: Request, num_draft: int, num_accepted: int, step: int) -> None:
-        """One verify step's outcome for `request` (adapts K for it and its class)."""
+        """One verify step's outcome for `request` (adapts K for it and its class, and the class's alpha)."""
         self.policy.update(request.request_id, request.request_class, num_draft, num_accepted, step)
+        if num_draft:
+            self._acceptance.setdefault(self.acceptance_key(request), _Acceptance()).add(
+                num_accepted, min(num_draft, num_accepted + 1))
 
     def fork(self, parent: Request, children: list[Request]) -> None:
         """The samples of an n > 1 request start from its state."""
@@ -234,6 +392,7 @@ class Proposer:
 
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
+        self._drafts.pop(request_id, None)
 
 
 class DraftModelProposer(Proposer):
@@ -262,7 +421,7 @@ class DraftModelProposer(Proposer):
         # Requests whose draft KV fell behind (a step ran without the draft): they never draft again.
         self._behind: set[str] = set()
 
-    def draft_len(self, request: Request, step: int) -> int:
+    def wanted(self, request: Request, step: int) -> int:
         """0 once the request's draft KV fell behind, else the policy's K."""
         if request.request_id in self._behind:
             return 0
@@ -271,15 +430,16 @@ class DraftModelProposer(Proposer):
     def step_k(self, plan: StepPlan, step: int) -> int | None:
         """None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
 
-        When no request in the step will speculate, the draft is skipped: speculation that was
-        switched off then costs nothing, and those requests' draft KV falls behind for good. Their
+        When no request in the step will speculate (the gate's choice for this step aside), the draft
+        is skipped: speculation that was switched off then costs nothing, and those requests' draft
+        KV falls behind for good. Their
         blocks hold no draft KV either, so a later request that reuses them through the prefix
         cache drafts from an incomplete context: fewer tokens accepted, the output unchanged.
         """
         k = super().step_k(plan, step)
         if k is not None:
             return k
-        if any(self.draft_len(s.request, step) for s in plan.seqs):
+        if any(self.wanted(s.request, step) for s in plan.seqs):
             return 0
         self._behind.update(s.request.request_id for s in plan.seqs)
         return None
@@ -358,18 +518,32 @@ class NgramProposer(Proposer):
     """
 
     kind = "ngram"
+    output_independent = True  # verify_deterministic: drafting never changes a seeded output
 
     def __init__(self, config: SpeculationConfig):
         super().__init__(config)
         self._context: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
-        self._proposed: dict[str, list[int]] = {}  # request id -> the lookup of its latest draft_len
+        self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
+        self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
 
-    def draft_len(self, request: Request, step: int) -> int:
+    def policy_k(self, request: Request, step: int) -> int:
+        """K capped by the request's own `num_speculative_tokens`: which proposals run is the cost gate's
+        call, per class and matched n-gram size, with no switching off per request or class (a lookup
+        keeps no draft state and costs nothing when the gate declines it)."""
+        cap = request.sampling.num_speculative_tokens
+        return self.config.num_speculative_tokens if cap is None else min(cap, self.config.num_speculative_tokens)
+
+    def wanted(self, request: Request, step: int) -> int:
+        """The lookup's proposal length (at most the policy's K); the proposal is kept for `proposals`."""
         k = self.policy_k(request, step)
-        tokens = lookup(self._tokens(request), k, self.config.prompt_lookup_max,
-                        self.config.prompt_lookup_min) if k else []
-        self._proposed[request.request_id] = tokens
+        tokens, n = lookup(self._tokens(request), k, self.config.prompt_lookup_max,
+                           self.config.prompt_lookup_min) if k else ([], 0)
+        self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
         return len(tokens)
+
+    def acceptance_key(self, request: Request) -> tuple[str, int]:
+        """Acceptance is estimated per class and matched n-gram size: a longer match is a surer proposal."""
+        return request.request_class, self._matched.get(request.request_id, 0)
 
     def proposals(self, plan: StepPlan) -> dict[str, list[int]]:
         return {s.request.request_id: self._proposed[s.request.request_id][:s.num_draft]
@@ -379,6 +553,7 @@ class NgramProposer(Proposer):
         super().forget(request_id)
         self._context.pop(request_id, None)
         self._proposed.pop(request_id, None)
+        self._matched.pop(request_id, None)
 
     def _tokens(self, request: Request) -> np.ndarray:
         """The request's prompt + output as int32, appending only what is new since the last call."""

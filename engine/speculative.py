@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from engine.step import KVPool, StepBatch, paged_attend, token_logprobs
-from engine.verify import sample_draft, verify
+from engine.verify import sample_draft, verify, verify_deterministic
 
 
 @struct.dataclass
@@ -214,16 +214,20 @@ def _place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, 
 
 
 def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array,
-                   draft_tokens: jax.Array, draft_probs: jax.Array, attention: Callable):
-    """The target over the packed batch (verify windows included), then `verify` and the log-probabilities;
-    returns `(sampled, num_emitted, pool, hidden [T, E])`."""
+                   draft_tokens: jax.Array, draft_probs: jax.Array | None, attention: Callable):
+    """The target over the packed batch (verify windows included), then `verify` (or `verify_deterministic`
+    when `draft_probs` is None: a deterministic proposal) and the log-probabilities; returns
+    `(sampled, num_emitted, pool, hidden [T, E])`."""
     S, K = draft_tokens.shape
     V = target.cfg.vocab_size
     last_pos = batch.positions[batch.logits_indices]
     sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
     hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
     logits = target.logits(hidden[spec.verify_indices.reshape(-1)]).reshape(S, K + 1, V)
-    out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
+    if draft_probs is None:
+        out, num_emitted = verify_deterministic(logits, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
+    else:
+        out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
     sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
                              jnp.repeat(batch.want_logprobs, K + 1))
     return sampled, num_emitted, pool, hidden
@@ -232,14 +236,13 @@ def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, toke
 @functools.cache
 def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
     """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
-    proposer: the draft tokens are in `batch.token_ids` and `spec.draft_tokens` already, and their `p` is
-    one-hot (a deterministic proposal), so `verify` accepts draft token x with probability q(x) and on a
-    rejection draws from q with x removed. Outputs as `make_spec_step`'s; the pool is donated."""
+    proposer: the draft tokens are in `batch.token_ids` and `spec.draft_tokens` already, and the proposal
+    is deterministic (a one-hot `p`), verified by `engine.verify.verify_deterministic` (the output equals
+    that without speculation). Outputs as `make_spec_step`'s; the pool is donated."""
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
-        probs = jax.nn.one_hot(spec.draft_tokens, target.cfg.vocab_size, dtype=jnp.float32)  # [S, K, V]
-        return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, probs, attention)[:3]
+        return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, None, attention)[:3]
 
     return step

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
+def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
     """Up to `k` tokens that followed an earlier occurrence of the last n tokens of `context`.
 
     Args:
@@ -18,13 +18,13 @@ def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
       k: most tokens to propose (>= 1).
       max_n, min_n: n-gram sizes, tried from `max_n` down to `min_n`.
     Returns:
-      The proposal (possibly empty): for the largest n with a match, the
-      continuation of the latest match among those with the most tokens after
-      them (at most `k`).
+      (proposal, n): for the largest n with a match, the continuation of the
+      latest match among those with the most tokens after them (at most `k`
+      tokens), and that n; ([], 0) when nothing matches.
     """
     L = len(context)
     if L < 2:
-        return []
+        return [], 0
     # Candidate match ends: earlier positions holding the last token; longer n-grams only check those.
     ends = np.flatnonzero(context[:L - 1] == context[L - 1])
     for n in range(min(max_n, L - 1), min_n - 1, -1):
@@ -34,5 +34,5 @@ def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> list[int]:
         if e.size:
             follow = np.minimum(k, L - 1 - e)
             start = e[np.flatnonzero(follow == follow.max())[-1]] + 1
-            return context[start:start + k].tolist()
-    return []
+            return context[start:start + k].tolist(), n
+    return [], 0

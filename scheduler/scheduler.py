@@ -86,6 +86,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def decodes(self) -> list[Request]:
+        """The running requests whose next step is a decode that may draft (the ones `schedule` asks
+        `draft_len` of, budget permitting)."""
+        return [r for r in self.running if r.status is RequestStatus.RUNNING and _missing(r) == 1
+                and not r.is_parent and r.output_token_ids]
+
     def schedule(self, draft_len: Callable[[Request], int] | None = None) -> StepPlan:
         """Packs one step.
 

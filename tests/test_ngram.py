@@ -26,7 +26,7 @@ NGRAM = SpeculationConfig(3, min_acceptance=0.0, method="ngram")
     ([4], 2, []),
 ])
 def test_lookup(context, k, want):
-    assert lookup(np.asarray(context, np.int32), k, max_n=3, min_n=1) == want
+    assert lookup(np.asarray(context, np.int32), k, max_n=3, min_n=1)[0] == want
 
 
 def _lookup_by_hand(context, k, max_n, min_n):
@@ -36,8 +36,8 @@ def _lookup_by_hand(context, k, max_n, min_n):
         if starts:
             best = max(min(k, L - (i + n)) for i in starts)
             i = max(i for i in starts if min(k, L - (i + n)) == best)
-            return context[i + n:i + n + k]
-    return []
+            return context[i + n:i + n + k], n
+    return [], 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -49,8 +49,9 @@ def test_lookup_equals_a_direct_search(context, k, sizes):
 
 
 def test_lookup_respects_min_n():
-    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=2) == []
-    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=1) == [1, 2]
+    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=2) == ([], 0)
+    assert lookup(np.asarray([7, 1, 2, 7], np.int32), 2, max_n=3, min_n=1) == ([1, 2], 1)
+    assert lookup(np.asarray([5, 7, 1, 2, 5, 7], np.int32), 2, max_n=3, min_n=1) == ([1, 2], 2)
 
 
 PROMPTS = [[3, 4, 5, 6] * 4, list(range(3, 20)) * 2, [7] * 5, list(range(3, 40)), [9, 10, 11] * 12 + [9, 10]]
@@ -124,6 +125,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ngram):
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
     mixed = _run(ngram, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
     assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
+
+
+def test_seeded_sampled_output_equals_decoding_without_speculation(target, ngram):
+    """`verify_deterministic` emits the plain sampler's own draw at every position, so a seeded request's
+    tokens are those of the engine without speculation, whatever was proposed and accepted."""
+    plain = Engine(target, CFG)
+    params = [SamplingParams(temperature=t, top_p=top_p, min_p=min_p, seed=seed, max_tokens=20, ignore_eos=True)
+              for seed, (t, top_p, min_p) in enumerate([(0.05, 1.0, 0.0), (0.2, 0.9, 0.0), (0.2, 1.0, 0.1),
+                                                        (0.1, 1.0, 0.0), (0.3, 0.95, 0.0)])]
+    want = _run(plain, PROMPTS, params)
+    got = _run(ngram, PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    drafted, accepted = sum(o.num_draft_tokens for o in got), sum(o.num_accepted_tokens for o in got)
+    assert drafted > 20 and 0 < accepted < drafted  # proposals were accepted and rejected
 
 
 def test_host_proposals_are_packed_into_the_verify_window(target):

@@ -227,7 +227,7 @@ def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
     assert engine.proposer.policy.class_k("default") == 0
     assert all(o.num_draft_tokens < 4 * 4 for o in outs)  # off after a few verify steps
-    assert {4, 1} <= set(ks) <= {None, 0, 1, 2, 4}  # the ladder's programs ran as K halved
+    assert 4 in ks and set(ks) <= {None, 0, 1, 2, 4}  # K = 4 was tried, then halved or gated off
     # Once off, steps run the target alone (the draft is skipped) and the requests stay off.
     assert ks[-10:] == [None] * 10 and ks.count(None) > len(ks) // 2
     ks.clear()

@@ -1,0 +1,174 @@
+"""The speculation cost gate: measured step costs and per-class acceptance decide each step's draft lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.proposers import NgramProposer, Proposer, SpeculationConfig, StepCosts, expected_accepted
+from scheduler.packing import power_of_two_buckets
+from scheduler.request import Request, SamplingParams
+
+BUCKETS = power_of_two_buckets(64)
+
+
+class _Fixed(Proposer):
+    """A host proposer that always wants its request's `want` draft tokens (capped by the policy)."""
+
+    def __init__(self, config, want):
+        super().__init__(config)
+        self.want = want
+        self.costs = StepCosts(BUCKETS, BUCKETS)
+
+    def wanted(self, request, step):
+        return min(self.want[request.request_id], self.policy_k(request, step))
+
+
+def _decodes(n, request_class="default", seed=None, prefix="r"):
+    return [Request([1, 2, 3], SamplingParams(seed=seed), request_id=f"{prefix}{i}", request_class=request_class)
+            for i in range(n)]
+
+
+def _teach(proposer, request_class, outcomes, times=20):
+    """Feeds the (num_draft, num_accepted) verify outcomes `times` over, as a request of the class."""
+    r = Request([1], SamplingParams(), request_id="teacher", request_class=request_class)
+    for _ in range(times):
+        for num_draft, num_accepted in outcomes:
+            proposer.record(r, num_draft, num_accepted, 0)
+
+
+def test_expected_accepted_is_the_geometric_sum():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0
+
+
+def test_step_costs_average_and_buckets():
+    costs = StepCosts(BUCKETS, BUCKETS)
+    assert costs.get(4, 1, 2) is None
+    costs.observe(4, 1, 2, 1.0)
+    costs.observe(4, 1, 2, 2.0)
+    assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+    assert costs.shape(3, 11) == (16, 4) and costs.shape(1, 65) is None
+
+
+def test_cheap_verify_and_good_acceptance_draft_the_full_k():
+    p = _Fixed(SpeculationConfig(4), {"r0": 4})
+    _teach(p, "default", [(4, 3)])  # alpha 3 / 4
+    assert p.alpha(_decodes(1)[0]) == pytest.approx(0.75, abs=0.01)
+    p.costs.observe(1, 1, None, 0.020)
+    p.costs.observe(8, 1, 4, 0.023)  # a 5-token verify costs 1.15 plain steps
+    p.costs.observe(2, 1, 1, 0.021)
+    p.costs.observe(4, 1, 2, 0.022)
+    [r] = _decodes(1)
+    p.begin_step([r], 0)
+    # 1 + E(0.75, 4) = 3.05 tokens in 23 ms beats 1 + E(0.75, 2) = 2.31 in 22 ms and 1 in 20 ms.
+    assert p.draft_len(r, 0) == 4
+
+
+def test_expensive_verify_turns_drafting_off_for_the_step():
+    p = _Fixed(SpeculationConfig(4), {f"r{i}": 4 for i in range(16)})
+    _teach(p, "default", [(4, 1), (4, 0)])  # alpha 1 / 3
+    assert p.alpha(_decodes(1)[0]) == pytest.approx(1 / 3, abs=0.03)
+    p.costs.observe(16, 16, None, 0.040)
+    for T in (32, 64):
+        for K in (1, 2, 4):
+            p.costs.observe(T, 16, K, 0.040 * T / 16)  # the step is compute-bound: cost grows with its tokens
+    rs = _decodes(16)
+    p.begin_step(rs, 0)
+    assert [p.draft_len(r, 0) for r in rs] == [0] * 16
+    # The policy still allows drafting (the gate only skips this step).
+    assert all(p.wanted(r, 0) == 4 for r in rs)
+
+
+def test_only_the_classes_that_pay_draft():
+    want = {f"{c}{i}": 2 for c in "ab" for i in range(2)}
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), want)  # the floor leaves both classes on
+    _teach(p, "good", [(2, 2)] * 4 + [(2, 1)])  # alpha 9 / 10
+    _teach(p, "bad", [(2, 1)] + [(2, 0)] * 4)  # alpha 1 / 6
+    assert p.alpha(_decodes(1, "bad")[0]) == pytest.approx(1 / 6, abs=0.03) and p.policy.class_k("bad") == 2
+    p.costs.observe(4, 4, None, 0.030)
+    p.costs.observe(8, 4, 1, 0.032)  # up to 8 tokens: every row drafting 1, or two rows drafting 2
+    p.costs.observe(8, 4, 2, 0.033)
+    p.costs.observe(16, 4, 2, 0.060)  # three or four rows drafting 2 pad to 16 tokens
+    rs = _decodes(2, "good", prefix="a") + _decodes(2, "bad", prefix="b")
+    p.begin_step(rs, 0)
+    assert [p.draft_len(r, 0) for r in rs] == [2, 2, 0, 0]
+
+
+def test_unmeasured_shapes_are_explored_and_plain_is_measured_first():
+    p = _Fixed(SpeculationConfig(2), {"r0": 2})
+    [r] = _decodes(1)
+    p.begin_step([r], 0)
+    assert p.draft_len(r, 0) == 0  # no plain step measured for this batch size yet
+    p.costs.observe(1, 1, None, 0.020)
+    p.begin_step([r], 1)
+    assert p.draft_len(r, 1) == 2  # the verify shape is unmeasured: counted as a plain step, so tried
+    p.costs.observe(4, 1, 2, 0.080)  # measured: 4x a plain step; K = 1 is still unmeasured
+    p.begin_step([r], 2)
+    assert p.draft_len(r, 2) == 1
+    p.costs.observe(2, 1, 1, 0.050)  # 2 tokens in 2.5 plain steps
+    p.begin_step([r], 3)
+    assert p.draft_len(r, 3) == 0
+
+
+def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
+    p = _Fixed(SpeculationConfig(2), {"r0": 2})
+    [seeded] = _decodes(1, seed=5)
+    p.begin_step([seeded], 0)  # nothing measured: an unseeded request would not draft
+    assert p.draft_len(seeded, 0) == 2
+    p.costs.observe(1, 1, None, 0.020)
+    p.costs.observe(4, 1, 2, 0.500)
+    p.begin_step([seeded], 1)
+    assert p.draft_len(seeded, 1) == 2
+    raw = _Fixed(SpeculationConfig(2, min_acceptance=0.0), {"r0": 2})
+    raw.costs.observe(1, 1, None, 0.020)
+    raw.costs.observe(4, 1, 2, 0.500)
+    [r] = _decodes(1)
+    raw.begin_step([r], 0)
+    assert raw.draft_len(r, 0) == 2
+
+
+def test_ngram_acceptance_is_estimated_per_matched_size():
+    p = NgramProposer(SpeculationConfig(2, method="ngram"))
+    two = Request([5, 7, 1, 2, 5, 7], SamplingParams(), request_id="two")  # the 2-gram [5, 7] recurs
+    one = Request([9, 1, 2, 9], SamplingParams(), request_id="one")  # only the 1-gram [9] recurs
+    assert p.wanted(two, 0) == 2 and p.wanted(one, 0) == 2
+    assert p.acceptance_key(two) == ("default", 2) and p.acceptance_key(one) == ("default", 1)
+    for _ in range(30):
+        p.record(two, 2, 2, 0)
+        p.record(one, 2, 0, 0)
+    assert p.alpha(two) > 0.95 and p.alpha(one) < 0.05
+
+
+def test_ngram_never_switches_a_request_off():
+    p = NgramProposer(SpeculationConfig(4, method="ngram"))
+    unseeded = Request([9, 1, 2, 9], SamplingParams(), request_id="u")
+    seeded = Request([9, 1, 2, 9], SamplingParams(seed=3), request_id="s")
+    capped = Request([9, 1, 2, 9], SamplingParams(num_speculative_tokens=1), request_id="c")
+    for step in range(10):
+        p.record(unseeded, 4, 0, step)
+        p.record(seeded, 4, 0, step)
+    assert p.policy_k(unseeded, 10) == 4 and p.policy_k(seeded, 10) == 4 and p.policy_k(capped, 10) == 1
+    assert p.alpha(unseeded) < 0.05  # what the gate weighs next time a 1-gram matches
+
+
+def test_the_gate_chooses_for_seeded_ngram_requests_too():
+    p = NgramProposer(SpeculationConfig(2, method="ngram"))
+    p.costs = StepCosts(BUCKETS, BUCKETS)
+    seeded = Request([9, 1, 2, 9], SamplingParams(seed=3), request_id="s", output_token_ids=[9])
+    p.costs.observe(1, 1, None, 0.020)
+    p.costs.observe(2, 1, 1, 0.060)
+    p.costs.observe(4, 1, 2, 0.060)
+    p.begin_step([seeded], 0)
+    assert p.wanted(seeded, 0) == 2 and p.draft_len(seeded, 0) == 0
+
+
+def test_an_unmeasured_verify_shape_is_priced_like_a_measured_prefill_of_its_bucket():
+    p = _Fixed(SpeculationConfig(2), {f"r{i}": 2 for i in range(16)})
+    _teach(p, "default", [(2, 1)])  # alpha 1 / 2
+    p.costs.observe(16, 16, None, 0.040)
+    p.costs.observe(32, 1, None, 0.100)  # a 32-token prefill chunk
+    p.costs.observe(64, 1, None, 0.190)
+    assert p.costs.prior(32) == 0.100 and p.costs.prior(8) is None
+    rs = _decodes(16)
+    p.begin_step(rs, 0)
+    assert [p.draft_len(r, 0) for r in rs] == [0] * 16  # 16 + 8 expected tokens in 2.5x the time: no
