@@ -89,6 +89,15 @@ def _leading_true(mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1)
 
 
+def _emitted(draft_tokens: jax.Array, n: jax.Array, final: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's `n` accepted draft tokens then `final`, -1 after: (int32 `[S, K+1]`, num_emitted `[S]`)."""
+    S, K = draft_tokens.shape
+    slot = jnp.arange(K + 1, dtype=jnp.int32)[None]
+    draft_padded = jnp.concatenate([draft_tokens, jnp.zeros((S, 1), jnp.int32)], axis=1)
+    tokens = jnp.where(slot < n[:, None], draft_padded, jnp.where(slot == n[:, None], final[:, None], -1))
+    return tokens, n + 1
+
+
 @jax.jit
 def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
            temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array, seeds: jax.Array,
@@ -160,10 +169,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         return jnp.where(sampled, n, n_greedy), jnp.where(sampled, final, final_greedy)
 
     n, final = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: (n_greedy, final_greedy))
-    draft_padded = jnp.concatenate([draft_tokens, jnp.zeros((S, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(slot[None] < n[:, None], draft_padded,
-                       jnp.where(slot[None] == n[:, None], final[:, None], -1))
-    return tokens, n + 1
+    return _emitted(draft_tokens, n, final)
 
 
 @jax.jit
@@ -211,7 +217,4 @@ def verify_deterministic(target_logits: jax.Array, draft_tokens: jax.Array, num_
         return jnp.where(sampled, n, n_greedy), jnp.where(sampled, final, final_greedy)
 
     n, final = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: (n_greedy, final_greedy))
-    draft_padded = jnp.concatenate([draft_tokens, jnp.zeros((S, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(slot[None] < n[:, None], draft_padded,
-                       jnp.where(slot[None] == n[:, None], final[:, None], -1))
-    return tokens, n + 1
+    return _emitted(draft_tokens, n, final)
