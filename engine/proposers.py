@@ -216,9 +216,20 @@ class StepCosts:
         return self._seconds.get((T, S, K))
 
     def prior(self, T: int) -> float | None:
-        """A guess for an unmeasured shape over T tokens: the cheapest measured step of that token bucket
-        (a prefill chunk of T tokens runs the same products); None if there is none."""
+        """The cheapest measured step of token bucket T (such as a prefill chunk); None if there is none."""
         return min((v for (t, _, _), v in self._seconds.items() if t == T), default=None)
+
+    def estimate(self, T: int, S: int, K: int | None, plain_T: int, plain: float) -> float | None:
+        """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`) takes
+        `plain`: the measured average, else the plain step scaled by how much dearer the cheapest measured
+        step of bucket T is than the cheapest of `plain_T` (the products grow with T; whatever makes this
+        batch's plain step dearer than a bare step of its bucket, such as long contexts, scales along);
+        None if neither bucket has a measured step."""
+        seconds = self.get(T, S, K)
+        if seconds is not None:
+            return seconds
+        cheap_T, cheap_plain = self.prior(T), self.prior(plain_T)
+        return None if cheap_T is None or cheap_plain is None else plain * cheap_T / cheap_plain
 
     def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""
@@ -257,8 +268,9 @@ class Proposer:
     among draft-length caps on the ladder and the top m requests by their
     class's acceptance rate, the choice with the most expected tokens per
     second of this step's shape (`StepCosts`, measured as the engine runs;
-    an unmeasured shape counts as the cheapest measured step of its token
-    bucket, such as a prefill chunk, or else as a plain step, so it is tried).
+    an unmeasured shape is priced from the plain step by the cost ratio of
+    the cheapest measured steps of the two token buckets, such as prefill
+    chunks, or else as a plain step, so it is tried).
     Seeded requests skip the gate (their draft lengths, and so their outputs,
     never depend on their batch mates), unless the proposer's verify makes the
     output independent of the draft lengths anyway (`output_independent`:
@@ -352,9 +364,7 @@ class Proposer:
         if shape is None:
             return float("inf")
         K = min(k for k in self.config.ladder if k >= top)
-        seconds = self.costs.get(*shape, K)
-        if seconds is None:
-            seconds = self.costs.prior(shape[0])
+        seconds = self.costs.estimate(*shape, K, self.costs.shape(B, B)[0], plain)
         return plain if seconds is None else max(seconds, plain)
 
     def draft_len(self, request: Request, step: int) -> int:

@@ -48,6 +48,11 @@ def test_step_costs_average_and_buckets():
     costs.observe(4, 1, 2, 2.0)
     assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
     assert costs.shape(3, 11) == (16, 4) and costs.shape(1, 65) is None
+    # An unmeasured shape: the plain step scaled by the cost ratio of the cheapest steps of the two buckets.
+    assert costs.estimate(8, 4, 1, 4, 0.060) is None  # nothing measured in bucket 8
+    costs.observe(8, 1, None, 0.036)
+    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 * 0.036 / 1.2)  # bucket 4: 1.2
+    assert costs.estimate(4, 1, 2, 4, 0.5) == costs.get(4, 1, 2)  # measured shapes are their average
 
 
 def test_cheap_verify_and_good_acceptance_draft_the_full_k():
@@ -172,3 +177,18 @@ def test_an_unmeasured_verify_shape_is_priced_like_a_measured_prefill_of_its_buc
     rs = _decodes(16)
     p.begin_step(rs, 0)
     assert [p.draft_len(r, 0) for r in rs] == [0] * 16  # 16 + 8 expected tokens in 2.5x the time: no
+
+
+@pytest.mark.parametrize("accepts, drafts", [(2, False), (6, True)])
+def test_an_unmeasured_verify_is_as_much_dearer_than_plain_as_its_bucket_is(accepts, drafts):
+    """The batch's plain step (long contexts) costs twice a bare step of its bucket; a verify in the next
+    bucket is priced 1.5x the plain step (not 1x, as its cheapest measured step would say), so it pays with
+    alpha 0.75 (4 rows: 4 + 3 tokens in 1.5 plain steps) but not with 0.25."""
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 1 for i in range(4)})  # the policy keeps K
+    _teach(p, "default", [(1, int(i < accepts)) for i in range(8)])
+    p.costs.observe(4, 4, None, 0.060)  # this batch's plain step
+    p.costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: the cheapest step of bucket 4
+    p.costs.observe(8, 1, None, 0.045)  # and of bucket 8
+    rs = _decodes(4)
+    p.begin_step(rs, 0)
+    assert [p.draft_len(r, 0) for r in rs] == [1 if drafts else 0] * 4
