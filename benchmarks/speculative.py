@@ -51,7 +51,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../shared/data/prompts.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
 flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted); empty: only the default settings.")
-flags.DEFINE_integer("repeats", 3, "Runs of the default-settings engine per cell, alternating with the plain one.")
+flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
