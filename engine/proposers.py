@@ -216,20 +216,33 @@ class StepCosts:
         return self._seconds.get((T, S, K))
 
     def prior(self, T: int) -> float | None:
-        """The cheapest measured step of token bucket T (such as a prefill chunk); None if there is none."""
-        return min((v for (t, _, _), v in self._seconds.items() if t == T), default=None)
+        """A guess for a step over token bucket T from the cheapest measured step of each bucket (such as
+        prefill chunks): bucket T's own, else interpolated linearly between the nearest measured buckets
+        below and above, else the nearest above (a step over more tokens is no cheaper); None if no bucket
+        from T up is measured."""
+        cheapest: dict[int, float] = {}
+        for (t, _, _), v in self._seconds.items():
+            cheapest[t] = min(v, cheapest.get(t, v))
+        if T in cheapest:
+            return cheapest[T]
+        hi = min((t for t in cheapest if t > T), default=None)
+        if hi is None:
+            return None
+        lo = max((t for t in cheapest if t < T), default=None)
+        if lo is None:
+            return cheapest[hi]
+        return cheapest[lo] + (cheapest[hi] - cheapest[lo]) * (T - lo) / (hi - lo)
 
     def estimate(self, T: int, S: int, K: int | None, plain_T: int, plain: float) -> float | None:
-        """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`) takes
-        `plain`: the measured average, else the plain step scaled by how much dearer the cheapest measured
-        step of bucket T is than the cheapest of `plain_T` (the products grow with T; whatever makes this
-        batch's plain step dearer than a bare step of its bucket, such as long contexts, scales along);
-        None if neither bucket has a measured step."""
+        """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`,
+        measured) takes `plain`: the measured average, else the plain step scaled by `prior(T) /
+        prior(plain_T)` (the products grow with T; whatever makes this batch's plain step dearer than a
+        bare step of its bucket, such as long contexts, scales along); None when `prior(T)` is."""
         seconds = self.get(T, S, K)
         if seconds is not None:
             return seconds
-        cheap_T, cheap_plain = self.prior(T), self.prior(plain_T)
-        return None if cheap_T is None or cheap_plain is None else plain * cheap_T / cheap_plain
+        cheap_T = self.prior(T)
+        return None if cheap_T is None else plain * cheap_T / self.prior(plain_T)
 
     def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""

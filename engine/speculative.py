@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from engine.sampler import sample
 from engine.step import KVPool, StepBatch, paged_attend, token_logprobs
 from engine.verify import sample_draft, verify, verify_deterministic
 
@@ -213,23 +214,50 @@ def _place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, 
     return token_ids, draft_tokens, jnp.stack(probs, axis=1)
 
 
+def _window_rows(spec: SpecBatch, seq_lens: jax.Array, W: int) -> tuple[jax.Array, ...]:
+    """The verify windows' token rows, compacted: each real row's slots 0..num_draft, in order.
+
+    Returns, for the W compact rows, int32 `[W]` each: `rows`, the packed token index; `seq`, the sequence;
+    `flat`, the window slot (s * (K+1) + i); and `slot` int32 `[S, K+1]`, the compact row of each window
+    slot (a slot past the window reads its row's slot 0). `W` = min(T, S (K+1)) holds them all: a real
+    row has at least 1 + num_draft tokens in the step and padding rows (seq_len 0) have none.
+    """
+    S, K1 = spec.verify_indices.shape
+    valid = (jnp.arange(K1)[None, :] <= spec.num_draft[:, None]) & (seq_lens > 0)[:, None]
+    index = (jnp.cumsum(valid.reshape(-1)) - 1).reshape(S, K1)
+    dest = jnp.where(valid, index, W).reshape(-1)  # slots past a window are dropped
+    rows = jnp.zeros(W, jnp.int32).at[dest].set(spec.verify_indices.reshape(-1), mode="drop")
+    flat = jnp.zeros(W, jnp.int32).at[dest].set(jnp.arange(S * K1, dtype=jnp.int32), mode="drop")
+    slot = jnp.clip(jnp.where(valid, index, index[:, :1]), 0, W - 1)
+    return rows, flat // K1, flat, slot
+
+
 def _target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array,
                    draft_tokens: jax.Array, draft_probs: jax.Array | None, attention: Callable):
     """The target over the packed batch (verify windows included), then `verify` (or `verify_deterministic`
     when `draft_probs` is None: a deterministic proposal) and the log-probabilities; returns
-    `(sampled, num_emitted, pool, hidden [T, E])`."""
+    `(sampled, num_emitted, pool, hidden [T, E])`.
+
+    The LM head runs on the windows' real slots only (`_window_rows`): a batch where few rows draft costs
+    little more than a plain step, not S (K+1) rows of logits.
+    """
     S, K = draft_tokens.shape
-    V = target.cfg.vocab_size
-    last_pos = batch.positions[batch.logits_indices]
-    sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
     hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
-    logits = target.logits(hidden[spec.verify_indices.reshape(-1)]).reshape(S, K + 1, V)
+    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
+    logits = target.logits(hidden[rows])  # [W, V]
     if draft_probs is None:
-        out, num_emitted = verify_deterministic(logits, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
+        # The target's token at each slot, drawn exactly as the plain sampler draws the token at its position.
+        choice = sample(logits, batch.temperature[seq], batch.top_k[seq], batch.top_p[seq], batch.min_p[seq],
+                        batch.seeds[seq], batch.positions[rows] + 1)
+        out, num_emitted = verify_deterministic(choice[slot], draft_tokens, spec.num_draft)
     else:
-        out, num_emitted = verify(logits, draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
-    sampled = token_logprobs(logits.reshape(S * (K + 1), V), jnp.maximum(out.reshape(-1), 0),
-                             jnp.repeat(batch.want_logprobs, K + 1))
+        last_pos = batch.positions[batch.logits_indices]
+        sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
+        out, num_emitted = verify(logits[slot], draft_probs, draft_tokens, spec.num_draft, *sampling, last_pos + 1)
+    # Log-probabilities on the compact rows too; each compact row's token is its slot's emitted one.
+    emitted = jnp.maximum(out.reshape(-1), 0)
+    sampled = token_logprobs(logits, emitted[flat], batch.want_logprobs[seq])
+    sampled = jax.tree.map(lambda x: x[slot.reshape(-1)], sampled).replace(tokens=emitted)
     return sampled, num_emitted, pool, hidden
 
 

@@ -173,48 +173,30 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
 
 
 @jax.jit
-def verify_deterministic(target_logits: jax.Array, draft_tokens: jax.Array, num_draft: jax.Array,
-                         temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                         seeds: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def verify_deterministic(target_tokens: jax.Array, draft_tokens: jax.Array,
+                         num_draft: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`verify` for deterministic proposals (a one-hot `p`), coupled to the plain sampler.
 
-    At every window slot the target's token is drawn as `engine.sampler.sample`
-    draws it at that position (same filtering, same key `fold_in(key(seed),
-    position)`); draft tokens are accepted while they equal those draws, and
-    the first draw that differs (or the bonus draw) is emitted. A draft token
-    x is then accepted with probability q(x), and on a rejection the emitted
-    token follows q restricted to tokens other than x, which is
-    `norm(max(0, q - p))` for the one-hot `p`: the rule of `verify` (Leviathan
-    et al. 2023, §2.3), realised with the sampler's own uniforms. So every
-    emitted token is the one the plain sampler would draw at its position, and
-    a seeded request's output does not depend on whether or how much it
-    drafted (up to float rounding between window shapes). Greedy rows are as
-    in `verify`.
+    `target_tokens` holds the target's token at every window slot, drawn as
+    `engine.sampler.sample` draws the token at that position (same filtering,
+    same key `fold_in(key(seed), position)`; greedy rows: the argmax). Draft
+    tokens are accepted while they equal those draws, and the first draw that
+    differs (or the bonus draw) is emitted. A draft token x is then accepted
+    with probability q(x), and on a rejection the emitted token follows q
+    restricted to tokens other than x, which is `norm(max(0, q - p))` for the
+    one-hot `p`: the rule of `verify` (Leviathan et al. 2023, §2.3), realised
+    with the sampler's own uniforms. So every emitted token is the one the
+    plain sampler would draw at its position, and a seeded request's output
+    does not depend on whether or how much it drafted (up to float rounding
+    between window shapes).
 
-    Args and returns as `verify`, without `draft_probs`.
+    Args:
+      target_tokens: int32 `[S, K+1]`.
+      draft_tokens: int32 `[S, K]`; num_draft: int32 `[S]`, as in `verify`.
+    Returns:
+      as `verify`.
     """
-    S, K1, V = target_logits.shape
-    K = K1 - 1
-    slot = jnp.arange(K1, dtype=jnp.int32)
-    rows = jnp.arange(S)
-    in_draft = slot[None, :K] < num_draft[:, None]  # [S, K]
-
-    def emit(choice):  # choice: the target's token per slot [S, K+1]
-        n = _leading_true(in_draft & (draft_tokens == choice[:, :K]))
-        return n, choice[rows, n]
-
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
-    n_greedy, final_greedy = emit(target_argmax)
-
-    def stochastic():
-        t = jnp.where(temperature > 0, temperature, 1.0)
-        per_slot = lambda x: jnp.repeat(x, K1)
-        filtered = filter_logits(target_logits.reshape(S * K1, V), per_slot(t), per_slot(top_k),
-                                 per_slot(top_p), per_slot(min_p))
-        keys = _stream_keys(seeds, positions[:, None] + slot[None, :], None)  # [S, K+1]
-        n, final = emit(draw(filtered, keys.reshape(-1)).reshape(S, K1))
-        sampled = temperature > 0
-        return jnp.where(sampled, n, n_greedy), jnp.where(sampled, final, final_greedy)
-
-    n, final = jax.lax.cond(jnp.any(temperature > 0), stochastic, lambda: (n_greedy, final_greedy))
-    return _emitted(draft_tokens, n, final)
+    K = draft_tokens.shape[1]
+    in_draft = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
+    n = _leading_true(in_draft & (draft_tokens == target_tokens[:, :K]))
+    return _emitted(draft_tokens, n, target_tokens[jnp.arange(draft_tokens.shape[0]), n])

@@ -48,11 +48,20 @@ def test_step_costs_average_and_buckets():
     costs.observe(4, 1, 2, 2.0)
     assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
     assert costs.shape(3, 11) == (16, 4) and costs.shape(1, 65) is None
-    # An unmeasured shape: the plain step scaled by the cost ratio of the cheapest steps of the two buckets.
-    assert costs.estimate(8, 4, 1, 4, 0.060) is None  # nothing measured in bucket 8
-    costs.observe(8, 1, None, 0.036)
-    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 * 0.036 / 1.2)  # bucket 4: 1.2
     assert costs.estimate(4, 1, 2, 4, 0.5) == costs.get(4, 1, 2)  # measured shapes are their average
+
+
+def test_an_unmeasured_shape_is_priced_from_the_cheapest_step_of_each_bucket():
+    costs = StepCosts(BUCKETS, BUCKETS)
+    costs.observe(4, 4, None, 0.060)  # the batch's plain step (long contexts)
+    costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: bucket 4's cheapest
+    assert costs.prior(8) is None and costs.estimate(8, 4, 1, 4, 0.060) is None  # nothing from bucket 8 up
+    costs.observe(32, 1, None, 0.090)
+    assert costs.prior(8) == pytest.approx(0.030 + 0.060 * 4 / 28)  # between buckets 4 and 32
+    costs.observe(8, 1, None, 0.036)
+    assert costs.prior(8) == 0.036 and costs.prior(2) == 0.030  # its own; below the cheapest: bounded above
+    # The plain step scaled by the ratio of the two buckets' priors.
+    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 * 0.036 / 0.030)
 
 
 def test_cheap_verify_and_good_acceptance_draft_the_full_k():
@@ -106,13 +115,16 @@ def test_unmeasured_shapes_are_explored_and_plain_is_measured_first():
     assert p.draft_len(r, 0) == 0  # no plain step measured for this batch size yet
     p.costs.observe(1, 1, None, 0.020)
     p.begin_step([r], 1)
-    assert p.draft_len(r, 1) == 2  # the verify shape is unmeasured: counted as a plain step, so tried
-    p.costs.observe(4, 1, 2, 0.080)  # measured: 4x a plain step; K = 1 is still unmeasured
+    assert p.draft_len(r, 1) == 2  # nothing measured from the verify's bucket up: counted as plain, so tried
+    p.costs.observe(4, 1, 2, 0.050)  # 3 tokens (alpha 1 so far) in 2.5 plain steps
     p.begin_step([r], 2)
-    assert p.draft_len(r, 2) == 1
-    p.costs.observe(2, 1, 1, 0.050)  # 2 tokens in 2.5 plain steps
+    assert p.draft_len(r, 2) == 1  # bucket 2 is priced between buckets 1 and 4 (0.030): 2 tokens in 1.5
+    p.costs.observe(2, 1, 1, 0.045)
     p.begin_step([r], 3)
-    assert p.draft_len(r, 3) == 0
+    assert p.draft_len(r, 3) == 2
+    _teach(p, "default", [(2, 0)])  # nothing is ever accepted
+    p.begin_step([r], 4)
+    assert p.draft_len(r, 4) == 0
 
 
 def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
@@ -173,7 +185,7 @@ def test_an_unmeasured_verify_shape_is_priced_like_a_measured_prefill_of_its_buc
     p.costs.observe(16, 16, None, 0.040)
     p.costs.observe(32, 1, None, 0.100)  # a 32-token prefill chunk
     p.costs.observe(64, 1, None, 0.190)
-    assert p.costs.prior(32) == 0.100 and p.costs.prior(8) is None
+    assert p.costs.prior(32) == 0.100 and p.costs.prior(8) == 0.040 and p.costs.prior(128) is None
     rs = _decodes(16)
     p.begin_step(rs, 0)
     assert [p.draft_len(r, 0) for r in rs] == [0] * 16  # 16 + 8 expected tokens in 2.5x the time: no

@@ -141,6 +141,27 @@ def test_seeded_sampled_output_equals_decoding_without_speculation(target, ngram
     assert drafted > 20 and 0 < accepted < drafted  # proposals were accepted and rejected
 
 
+def test_logprobs_with_ngram_speculation_match_the_plain_engine(target, ngram):
+    """Log-probabilities come from the windows' compacted rows: rows with and without logprobs, greedy and
+    seeded, drafting or not, give the plain engine's entries."""
+    plain = Engine(target, CFG)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.2, seed=4, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)]
+    prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[1], PROMPTS[2]]
+    want, got = _run(plain, prompts, params), _run(ngram, prompts, params)
+    assert sum(o.num_accepted_tokens for o in got) > 0
+    for w, g, sp in zip(want, got, params):
+        assert g.token_ids == w.token_ids
+        if sp.logprobs is None:
+            assert not g.logprobs
+            continue
+        assert len(g.logprobs) == len(w.logprobs) == 12
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+
+
 def test_host_proposals_are_packed_into_the_verify_window(target):
     """Each drafting row's proposal is in the packed tokens right after its last accepted token, and in
     `spec.draft_tokens`; a proposal that does not fill the row's draft slots is refused."""
