@@ -376,7 +376,7 @@ class Proposer:
         shape = self.costs.shape(B, B + drafted)
         if shape is None:
             return float("inf")
-        K = min(k for k in self.config.ladder if k >= top)
+        K = min(k for k in self.program_ks if k >= top)
         seconds = self.costs.estimate(*shape, K, self.costs.shape(B, B)[0], plain)
         return plain if seconds is None else max(seconds, plain)
 
@@ -385,10 +385,19 @@ class Proposer:
         d = self._drafts.get(request.request_id)
         return self.wanted(request, step) if d is None else d
 
+    @property
+    def program_ks(self) -> tuple[int, ...]:
+        """The K of each verify program compiled per step shape. A device proposer runs K draft passes, so
+        it has one per ladder length; a host proposer's window costs what its real slots cost whatever
+        K is (`engine.speculative._window_rows`), so one program (the largest K) serves every draft
+        length and the compiled programs stay few (XLA:CPU maps ~600 memory regions per step program,
+        and a process gets 65530: BUILD.md)."""
+        return self.config.ladder if self.on_device else (self.config.num_speculative_tokens,)
+
     def step_k(self, plan: StepPlan, step: int) -> int | None:
-        """The step's program: None (target only) or a ladder K >= every row's draft length."""
+        """The step's program: None (target only) or the smallest of `program_ks` >= every draft length."""
         drafted = max(s.num_draft for s in plan.seqs)
-        return min(k for k in self.config.ladder if k >= drafted) if drafted else None
+        return min(k for k in self.program_ks if k >= drafted) if drafted else None
 
     def proposals(self, plan: StepPlan) -> dict[str, list[int]] | None:
         """A host proposer's draft tokens for each drafting row of `plan` (None for a device proposer)."""
@@ -451,7 +460,7 @@ class DraftModelProposer(Proposer):
         return self.policy_k(request, step)
 
     def step_k(self, plan: StepPlan, step: int) -> int | None:
-        """None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft.
+        """None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft (`program_ks`).
 
         When no request in the step will speculate (the gate's choice for this step aside), the draft
         is skipped: speculation that was switched off then costs nothing, and those requests' draft

@@ -34,7 +34,7 @@ from engine.speculative import SpecBatch, make_verify_step
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
                          make_step, scatter_blocks)
 from pallas_kernels.reference import ragged_paged_attention_reference
-from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets, verify_buckets
+from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, StepPlan
 
@@ -191,10 +191,8 @@ class ModelRunner:
         self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B),
                              *(proposer.pools(num_blocks, B) if proposer is not None else ()))
         # The compiled shapes: every program is specialised to one of these.
+        self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
-        # With a proposer, verify windows get buckets of their own (a K = 4 window at batch 1: 5 tokens).
-        self.token_buckets = (verify_buckets(config.max_num_batched_tokens, self.seq_buckets, proposer.config.ladder)
-                              if proposer is not None else power_of_two_buckets(config.max_num_batched_tokens))
         self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, max_blocks_per_seq))
         self._attention = resolve_attention(config.attention)
         self._step = make_step(self.graphdef, self._attention)
@@ -207,11 +205,11 @@ class ModelRunner:
 
     @property
     def spec_ks(self) -> list[int | None]:
-        """The step programs per shape: target only, each ladder K, and K = 0 with a draft model (it keeps
-        the draft's KV in step)."""
+        """The step programs per shape: target only, each of the proposer's `program_ks`, and K = 0 with a
+        device proposer (it keeps the draft's KV in step)."""
         if self.proposer is None:
             return [None]
-        return [None, *([0] if self.proposer.on_device else []), *self.proposer.config.ladder]
+        return [None, *([0] if self.proposer.on_device else []), *self.proposer.program_ks]
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -20,14 +20,6 @@ def power_of_two_buckets(limit: int) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-def verify_buckets(limit: int, seq_buckets: tuple[int, ...], ks: tuple[int, ...]) -> tuple[int, ...]:
-    """The power-of-two token buckets up to `limit`, plus S * (K + 1) for each sequence bucket S and draft
-    length K: a step of S rows that all verify K draft tokens fills one exactly (at batch 1, K = 4 pads
-    to 5 tokens, not 8; 16 rows at K = 1 to 32, and with a few rows drafting the step falls in 20 or 24)."""
-    extra = {s * (k + 1) for s in seq_buckets for k in ks if s * (k + 1) <= limit}
-    return tuple(sorted(set(power_of_two_buckets(limit)) | extra))
-
-
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= n; raises ValueError if n exceeds the largest."""
     i = bisect.bisect_left(buckets, n)

@@ -70,8 +70,8 @@ def test_cheap_verify_and_good_acceptance_draft_the_full_k():
     assert p.alpha(_decodes(1)[0]) == pytest.approx(0.75, abs=0.01)
     p.costs.observe(1, 1, None, 0.020)
     p.costs.observe(8, 1, 4, 0.023)  # a 5-token verify costs 1.15 plain steps
-    p.costs.observe(2, 1, 1, 0.021)
-    p.costs.observe(4, 1, 2, 0.022)
+    p.costs.observe(2, 1, 4, 0.021)  # a host proposer compiles one verify program, K = 4
+    p.costs.observe(4, 1, 4, 0.022)
     [r] = _decodes(1)
     p.begin_step([r], 0)
     # 1 + E(0.75, 4) = 3.05 tokens in 23 ms beats 1 + E(0.75, 2) = 2.31 in 22 ms and 1 in 20 ms.
@@ -84,8 +84,7 @@ def test_expensive_verify_turns_drafting_off_for_the_step():
     assert p.alpha(_decodes(1)[0]) == pytest.approx(1 / 3, abs=0.03)
     p.costs.observe(16, 16, None, 0.040)
     for T in (32, 64):
-        for K in (1, 2, 4):
-            p.costs.observe(T, 16, K, 0.040 * T / 16)  # the step is compute-bound: cost grows with its tokens
+        p.costs.observe(T, 16, 4, 0.040 * T / 16)  # the step is compute-bound: cost grows with its tokens
     rs = _decodes(16)
     p.begin_step(rs, 0)
     assert [p.draft_len(r, 0) for r in rs] == [0] * 16
@@ -100,8 +99,7 @@ def test_only_the_classes_that_pay_draft():
     _teach(p, "bad", [(2, 1)] + [(2, 0)] * 4)  # alpha 1 / 6
     assert p.alpha(_decodes(1, "bad")[0]) == pytest.approx(1 / 6, abs=0.03) and p.policy.class_k("bad") == 2
     p.costs.observe(4, 4, None, 0.030)
-    p.costs.observe(8, 4, 1, 0.032)  # up to 8 tokens: every row drafting 1, or two rows drafting 2
-    p.costs.observe(8, 4, 2, 0.033)
+    p.costs.observe(8, 4, 2, 0.033)  # up to 8 tokens: every row drafting 1, or two rows drafting 2
     p.costs.observe(16, 4, 2, 0.060)  # three or four rows drafting 2 pad to 16 tokens
     rs = _decodes(2, "good", prefix="a") + _decodes(2, "bad", prefix="b")
     p.begin_step(rs, 0)
@@ -119,7 +117,7 @@ def test_unmeasured_shapes_are_explored_and_plain_is_measured_first():
     p.costs.observe(4, 1, 2, 0.050)  # 3 tokens (alpha 1 so far) in 2.5 plain steps
     p.begin_step([r], 2)
     assert p.draft_len(r, 2) == 1  # bucket 2 is priced between buckets 1 and 4 (0.030): 2 tokens in 1.5
-    p.costs.observe(2, 1, 1, 0.045)
+    p.costs.observe(2, 1, 2, 0.045)  # the one verify program (K = 2) ran a 1-token draft
     p.begin_step([r], 3)
     assert p.draft_len(r, 3) == 2
     _teach(p, "default", [(2, 0)])  # nothing is ever accepted
@@ -168,12 +166,17 @@ def test_ngram_never_switches_a_request_off():
     assert p.alpha(unseeded) < 0.05  # what the gate weighs next time a 1-gram matches
 
 
+def test_a_host_proposer_compiles_one_verify_program():
+    p = NgramProposer(SpeculationConfig(4, method="ngram"))
+    assert p.program_ks == (4,) and SpeculationConfig(4).ladder == (1, 2, 4)
+
+
 def test_the_gate_chooses_for_seeded_ngram_requests_too():
     p = NgramProposer(SpeculationConfig(2, method="ngram"))
     p.costs = StepCosts(BUCKETS, BUCKETS)
     seeded = Request([9, 1, 2, 9], SamplingParams(seed=3), request_id="s", output_token_ids=[9])
     p.costs.observe(1, 1, None, 0.020)
-    p.costs.observe(2, 1, 1, 0.060)
+    p.costs.observe(2, 1, 2, 0.060)
     p.costs.observe(4, 1, 2, 0.060)
     p.begin_step([seeded], 0)
     assert p.wanted(seeded, 0) == 2 and p.draft_len(seeded, 0) == 0
