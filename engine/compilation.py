@@ -1,10 +1,25 @@
-"""Counts XLA compilations."""
+"""Counts XLA compilations and keeps the process within its memory-map limit.
+
+XLA:CPU's JIT gives each kernel of a program its own code, read-only and
+data mappings: a step program of the real model holds about 600 memory maps,
+and Linux allows a process `vm.max_map_count` (65530 by default), so one
+process holds about 100 step programs. Past that LLVM fails with "Cannot
+allocate memory" and the process crashes. `release_if_near_limit` drops every
+compiled program (they compile again on demand) before that happens.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 
+import jax
 from jax import monitoring
+
+log = logging.getLogger(__name__)
+
+MAPS_PER_PROGRAM = 700  # measured ~600 per real-model step program, rounded up
+MAP_MARGIN = 0.1  # the share of the limit kept free
 
 # Recorded once per program lowered to XLA, whether the executable then comes
 # from the backend compiler or from the persistent cache.
@@ -26,3 +41,35 @@ monitoring.register_event_duration_secs_listener(_on_event)
 def compilation_count() -> int:
     """Programs compiled in this process so far (all jitted functions)."""
     return _count
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, `vm.max_map_count`), or None where /proc does not tell (not Linux)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return None
+
+
+def maps_left(programs: int) -> bool:
+    """Whether `programs` more step programs fit under the memory-map limit (True where it is unknown)."""
+    maps = memory_maps()
+    return maps is None or maps[0] + programs * MAPS_PER_PROGRAM <= (1 - MAP_MARGIN) * maps[1]
+
+
+def release_if_near_limit(programs: int) -> bool:
+    """Drops every compiled program (`jax.clear_caches`) when fewer than `programs` more fit; True if it did.
+
+    Called after a step that compiled, so a long-running engine that meets more shapes than a process can
+    hold recompiles some later instead of crashing.
+    """
+    if maps_left(programs):
+        return False
+    used, limit = memory_maps()
+    log.warning("%d of %d memory maps in use (vm.max_map_count): dropping the compiled programs, which compile "
+                "again on demand; raise vm.max_map_count to keep them (BUILD.md)", used, limit)
+    jax.clear_caches()
+    return True

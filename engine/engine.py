@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.compilation import compilation_count
+from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.proposers import (DraftModelProposer, EagleProposer, NgramProposer, Proposer, SpeculationConfig,
                               StepCosts)
@@ -239,7 +239,9 @@ class Engine:
             outputs = self._update(plan, result)
             timing.update = time.perf_counter() - t3
         self.stats.add(timing)
-        if plan.seqs and self.proposer is not None and compilation_count() == compiled:
+        if compilation_count() != compiled:
+            release_if_near_limit(len(self.runner.spec_ks))
+        elif plan.seqs and self.proposer is not None:
             self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, timing.total)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)

@@ -27,6 +27,7 @@ import numpy as np
 
 import cpu_kernels
 
+from engine.compilation import maps_left
 from engine.config import EngineConfig
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
@@ -333,9 +334,17 @@ class ModelRunner:
     def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
         """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count.
 
-        With the default, the block-op programs (copy-on-write and swap) are compiled too.
+        With the default, the block-op programs (copy-on-write and swap) are compiled too. Shapes go
+        smallest first (decode and verify steps) and stop, with a warning, where the process's memory-map
+        limit would not hold the next shape's programs (`engine.compilation`).
         """
-        for T, S in buckets or self.buckets:
+        shapes = sorted(buckets or self.buckets)
+        for i, (T, S) in enumerate(shapes):
+            if not maps_left(len(self.spec_ks)):
+                log.warning("precompiled %d of %d step shapes: the rest would pass vm.max_map_count; they compile "
+                            "on first use (BUILD.md)", i, len(shapes))
+                shapes = shapes[:i]
+                break
             for K in self.spec_ks:
                 self.run(self.padding_batch(T, S, K), K)
         if buckets is None:
@@ -344,4 +353,4 @@ class ModelRunner:
                 self.pools = copy_blocks(self.pools, ids, ids)
                 self.pools = scatter_blocks(self.pools, ids, gather_blocks(self.pools, ids))
         jax.block_until_ready(self.pools)
-        return len(buckets or self.buckets)
+        return len(shapes)

@@ -89,8 +89,7 @@ class Scheduler:
     def decodes(self) -> list[Request]:
         """The running requests whose next step is a decode that may draft (the ones `schedule` asks
         `draft_len` of, budget permitting)."""
-        return [r for r in self.running if r.status is RequestStatus.RUNNING and _missing(r) == 1
-                and not r.is_parent and r.output_token_ids]
+        return [r for r in self.running if _may_draft(r)]
 
     def schedule(self, draft_len: Callable[[Request], int] | None = None) -> StepPlan:
         """Packs one step.
@@ -120,7 +119,7 @@ class Scheduler:
                 break
             if request.status is RequestStatus.RUNNING:
                 n = min(_missing(request), budget)
-                k = self._draft_len(request, budget, draft_len) if draft_len and _missing(request) == 1 else 0
+                k = self._draft_len(request, budget, draft_len) if draft_len and _may_draft(request) else 0
                 budget -= self._schedule_running(request, n + k, plan, k)
         while self.swapped and budget > 0 and self._num_slots() < self.config.max_num_seqs:
             n = self._swap_in(self.swapped[0], budget, plan)
@@ -143,11 +142,6 @@ class Scheduler:
         A verify step emits at most num_draft + 1 tokens, so num_draft stays
         below both what `max_tokens` and `max_model_len` leave.
         """
-        if request.is_parent or not request.output_token_ids:
-            # Draft only in decode: the first token always comes from a plain
-            # sampling step, so which positions are drafted never depends on
-            # how the prompt was chunked (seeded outputs stay batch-independent).
-            return 0
         left = min(request.sampling.max_tokens - len(request.output_token_ids),
                    self.config.max_model_len - request.num_tokens)
         return max(0, min(wanted(request), budget - 1, left - 1))
@@ -312,6 +306,14 @@ def _width(request: Request) -> int:
 
 def _missing(request: Request) -> int:
     return request.num_schedulable_tokens - request.num_computed_tokens
+
+
+def _may_draft(request: Request) -> bool:
+    """A running request whose next step is a decode. Only decodes draft: the first token always comes from a
+    plain sampling step, so which positions are drafted never depends on how the prompt was chunked (seeded
+    outputs stay batch-independent)."""
+    return (request.status is RequestStatus.RUNNING and _missing(request) == 1 and not request.is_parent
+            and bool(request.output_token_ids))
 
 
 def _plan(request: Request, n: int, num_draft: int = 0) -> ScheduledSeq:

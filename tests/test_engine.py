@@ -203,6 +203,34 @@ def test_no_compilation_after_warmup():
     assert eng.compilation_count() == before
 
 
+def test_precompile_and_compiles_stay_within_the_memory_map_limit(monkeypatch, caplog):
+    """XLA:CPU holds ~600 memory maps per step program (engine/compilation.py): precompile stops before the
+    process's limit, and a step that compiled near it drops the compiled programs."""
+    from engine import compilation
+
+    llm = LLM("tiny-llama", num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    eng = llm.engine
+    room = iter([True] * 5 + [False] * 100)  # room for the programs of 5 shapes
+    monkeypatch.setattr("engine.runner.maps_left", lambda programs: next(room))
+    with caplog.at_level("WARNING"):
+        assert eng.precompile() == 5
+    assert "precompiled 5 of 15 step shapes" in caplog.text
+    monkeypatch.undo()
+
+    cleared = []
+    monkeypatch.setattr(compilation.jax, "clear_caches", lambda: cleared.append(True))
+    monkeypatch.setattr(compilation, "memory_maps", lambda: (60_000, 65_530))
+    assert not compilation.maps_left(1) and compilation.maps_left(0) is False
+    odd = LLM("tiny-llama", num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=40)
+    before = eng.compilation_count()
+    odd.generate([list(range(3, 3 + 35))], SamplingParams(temperature=0, max_tokens=1))  # token bucket 40: new
+    assert eng.compilation_count() > before
+    assert cleared and "dropping the compiled programs" in caplog.text
+    monkeypatch.setattr(compilation, "memory_maps", lambda: (10_000, 65_530))
+    assert compilation.maps_left(69) and not compilation.maps_left(70)  # 0.9 x 65530 = 58977 maps usable
+    assert not compilation.release_if_near_limit(1)
+
+
 def test_api_argument_forms(llm):
     ids = np.arange(3, 20)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
