@@ -235,14 +235,15 @@ class StepCosts:
 
     def estimate(self, T: int, S: int, K: int | None, plain_T: int, plain: float) -> float | None:
         """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`,
-        measured) takes `plain`: the measured average, else the plain step scaled by `prior(T) /
-        prior(plain_T)` (the products grow with T; whatever makes this batch's plain step dearer than a
-        bare step of its bucket, such as long contexts, scales along); None when `prior(T)` is."""
+        measured) takes `plain`: the measured average, else the plain step plus what the extra tokens'
+        products cost, `prior(T) - prior(plain_T)` (what makes this batch's plain step dearer than a bare
+        step of its bucket, such as attention over long contexts, is already in `plain`); None when
+        `prior(T)` is."""
         seconds = self.get(T, S, K)
         if seconds is not None:
             return seconds
         cheap_T = self.prior(T)
-        return None if cheap_T is None else plain * cheap_T / self.prior(plain_T)
+        return None if cheap_T is None else plain + max(0.0, cheap_T - self.prior(plain_T))
 
     def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""
@@ -281,8 +282,8 @@ class Proposer:
     among draft-length caps on the ladder and the top m requests by their
     class's acceptance rate, the choice with the most expected tokens per
     second of this step's shape (`StepCosts`, measured as the engine runs;
-    an unmeasured shape is priced from the plain step by the cost ratio of
-    the cheapest measured steps of the two token buckets, such as prefill
+    an unmeasured shape is priced as the plain step plus the cost difference
+    of the cheapest measured steps of the two token buckets, such as prefill
     chunks, or else as a plain step, so it is tried).
     Seeded requests skip the gate (their draft lengths, and so their outputs,
     never depend on their batch mates), unless the proposer's verify makes the

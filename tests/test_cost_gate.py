@@ -51,7 +51,7 @@ def test_step_costs_average_and_buckets():
     assert costs.estimate(4, 1, 2, 4, 0.5) == costs.get(4, 1, 2)  # measured shapes are their average
 
 
-def test_an_unmeasured_shape_is_priced_from_the_cheapest_step_of_each_bucket():
+def test_priors_come_from_the_cheapest_step_of_each_bucket():
     costs = StepCosts(BUCKETS, BUCKETS)
     costs.observe(4, 4, None, 0.060)  # the batch's plain step (long contexts)
     costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: bucket 4's cheapest
@@ -60,8 +60,8 @@ def test_an_unmeasured_shape_is_priced_from_the_cheapest_step_of_each_bucket():
     assert costs.prior(8) == pytest.approx(0.030 + 0.060 * 4 / 28)  # between buckets 4 and 32
     costs.observe(8, 1, None, 0.036)
     assert costs.prior(8) == 0.036 and costs.prior(2) == 0.030  # its own; below the cheapest: bounded above
-    # The plain step scaled by the ratio of the two buckets' priors.
-    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 * 0.036 / 0.030)
+    # The plain step plus the difference of the two buckets' priors (the extra tokens' products).
+    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 + 0.036 - 0.030)
 
 
 def test_cheap_verify_and_good_acceptance_draft_the_full_k():
@@ -195,15 +195,16 @@ def test_an_unmeasured_verify_shape_is_priced_like_a_measured_prefill_of_its_buc
 
 
 @pytest.mark.parametrize("accepts, drafts", [(2, False), (6, True)])
-def test_an_unmeasured_verify_is_as_much_dearer_than_plain_as_its_bucket_is(accepts, drafts):
+def test_an_unmeasured_verify_costs_the_plain_step_plus_its_extra_tokens(accepts, drafts):
     """The batch's plain step (long contexts) costs twice a bare step of its bucket; a verify in the next
-    bucket is priced 1.5x the plain step (not 1x, as its cheapest measured step would say), so it pays with
-    alpha 0.75 (4 rows: 4 + 3 tokens in 1.5 plain steps) but not with 0.25."""
+    bucket is priced as the plain step plus the products of 4 more tokens (a bare 8-token step costs 0.030 s
+    more than a 4-token one): 1.5 plain steps (not 1, as its cheapest measured step alone would say), so it
+    pays with alpha 0.75 (4 rows: 4 + 3 tokens in 1.5 plain steps) but not with 0.25."""
     p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 1 for i in range(4)})  # the policy keeps K
     _teach(p, "default", [(1, int(i < accepts)) for i in range(8)])
     p.costs.observe(4, 4, None, 0.060)  # this batch's plain step
     p.costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: the cheapest step of bucket 4
-    p.costs.observe(8, 1, None, 0.045)  # and of bucket 8
+    p.costs.observe(8, 1, None, 0.060)  # and of bucket 8
     rs = _decodes(4)
     p.begin_step(rs, 0)
     assert [p.draft_len(r, 0) for r in rs] == [1 if drafts else 0] * 4
