@@ -20,8 +20,8 @@ import numpy as np
 
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
-from engine.proposers import (DraftModelProposer, EagleProposer, NgramProposer, Proposer, SpeculationConfig,
-                              StepCosts)
+from engine.adaptive import SpeculationConfig, StepCosts
+from engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput

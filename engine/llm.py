@@ -11,7 +11,7 @@ import numpy as np
 
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.config import EngineConfig
-from engine.proposers import SpeculationConfig
+from engine.adaptive import SpeculationConfig
 from engine.engine import Engine
 from engine.inputs import Prompt, encode_prompt
 from engine.outputs import RequestOutput

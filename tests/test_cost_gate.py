@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.proposers import NgramProposer, Proposer, SpeculationConfig, StepCosts, expected_accepted
+from engine.adaptive import SpeculationConfig, StepCosts, expected_accepted
+from engine.proposers import NgramProposer, Proposer
 from scheduler.packing import power_of_two_buckets
 from scheduler.request import Request, SamplingParams
 

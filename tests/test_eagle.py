@@ -17,7 +17,7 @@ from checkpoints import LoadedModel, Tokenizer
 from checkpoints.draft import early_exit_draft, load_draft, save_draft
 from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
-from engine.proposers import SpeculationConfig
+from engine.adaptive import SpeculationConfig
 from model.config import get_preset
 from model.eagle import FC, EagleHead
 from model.llama import Llama, dense_attention

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
-from engine.proposers import SpeculationConfig
+from engine.adaptive import SpeculationConfig
 from scheduler.ngram import lookup
 from scheduler.request import SamplingParams
 from tests.test_speculative import _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run

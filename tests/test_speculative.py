@@ -20,7 +20,7 @@ from checkpoints import LoadedModel, Tokenizer
 from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
 from engine.sampler import filter_logits
-from engine.proposers import AdaptiveSpeculation, SpeculationConfig
+from engine.adaptive import AdaptiveSpeculation, SpeculationConfig
 from model.config import get_preset
 from model.llama import Llama
 from scheduler.request import InvalidRequestError, SamplingParams

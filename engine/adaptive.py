@@ -1,0 +1,242 @@
+"""How much to speculate: the settings, the adaptive K per request class, and the cost gate's measurements.
+
+`SpeculationConfig` holds the settings; `AdaptiveSpeculation` halves a class's
+(or a request's) K while its running acceptance rate stays under
+`min_acceptance` and climbs it back when verifies pay; `StepCosts` keeps the
+measured seconds of each step shape and `_Acceptance` each request class's
+decayed acceptance rate, which the cost gate in `engine.proposers.Proposer`
+weighs with `expected_accepted`.
+
+Source: Leviathan et al. 2023, §3.1 (the per-token acceptance rate alpha and
+the expected tokens of a window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler.packing import bucket_for
+
+@dataclasses.dataclass
+class SpeculationConfig:
+    """Speculation settings: K, adaptive K per request class and per request, and the proposer.
+
+    num_speculative_tokens: K when speculation pays (the top of the ladder
+      K, K/2, ..., 1 of compiled draft lengths).
+    min_acceptance: when a running acceptance rate (of a request or of its
+      class) is below this, K is halved, down to 0 (off). A floor for
+      proposals that hardly ever pay; whether a rate above it pays in a
+      given batch is the cost gate's call (`Proposer.begin_step`). 0 turns
+      both off: every decode drafts K.
+    ema_decay: weight of the past in the running averages, per verify step.
+    retry_after_steps: a class switched off is retried at K = 1 after this many
+      engine steps (twice as long after each failed retry), on the requests
+      that arrive then.
+    prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
+      longest first.
+    method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head) or
+      "ngram" (prompt lookup).
+    """
+
+    num_speculative_tokens: int = 4
+    min_acceptance: float = 0.1
+    ema_decay: float = 0.5
+    retry_after_steps: int = 200
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    method: str = "draft"
+
+    def __post_init__(self):
+        if self.method not in ("draft", "eagle", "ngram"):
+            raise ValueError(f"speculation method must be 'draft', 'eagle' or 'ngram', got {self.method!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
+        if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
+            raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
+
+    @property
+    def ladder(self) -> tuple[int, ...]:
+        """The draft lengths a step program is compiled for: K, K/2, ..., 1 (ascending)."""
+        ks, k = [], self.num_speculative_tokens
+        while k:
+            ks.append(k)
+            k //= 2
+        return tuple(reversed(ks))
+
+
+@dataclasses.dataclass
+class _Rate:
+    """A running acceptance rate and the K it currently allows."""
+
+    k: int
+    rate: float = 1.0  # optimistic start: speculation is tried first
+    off_since: int = 0  # engine step of the last halving (read once k is 0)
+    good: int = 0  # verify steps at this K with the rate at or above the threshold
+    failed_retries: int = 0  # retries in a row that ended off again
+
+
+# A class's K climbs one ladder step after this many verify steps in a row at or above the threshold.
+GROW_AFTER = 4
+# The wait before a retry doubles with each failed retry, up to this factor.
+MAX_BACKOFF = 64
+
+
+class AdaptiveSpeculation:
+    """Per-class and per-request acceptance rates (running averages) and each request's K.
+
+    The rate of a verify step is accepted / tried draft tokens, where tried
+    stops at the first rejection (min(num_draft, accepted + 1)): an estimate
+    of the per-token acceptance probability alpha of Leviathan et al. 2023
+    (§3.1) that does not depend on K, so one threshold serves every K.
+    Whenever a rate is below `min_acceptance` its K halves (no optimistic
+    reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
+    steps); after `GROW_AFTER` verify steps in a row at or above it, a
+    class's K climbs the ladder again, up to `num_speculative_tokens`. A class at 0
+    retries at K = 1 (the cheapest verify) after `retry_after_steps`, twice
+    as long after each retry that ends off again (exponential backoff, as
+    in TCP's retransmission timer). A request at 0 stays off (its draft KV
+    is no longer kept up to date).
+
+    An unseeded request drafts min(class K, own K). A seeded request drafts
+    its own K only, so its output depends on its own history alone.
+    """
+
+    def __init__(self, config: SpeculationConfig):
+        self.config = config
+        self.classes: dict[str, _Rate] = {}
+        self.requests: dict[str, _Rate] = {}
+
+    def _class(self, name: str) -> _Rate:
+        return self.classes.setdefault(name, _Rate(self.config.num_speculative_tokens))
+
+    def class_k(self, request_class: str) -> int:
+        return self._class(request_class).k
+
+    def request_rate(self, request_id: str) -> float | None:
+        r = self.requests.get(request_id)
+        return None if r is None else r.rate
+
+    def k_for(self, request_id: str, request_class: str, requested: int | None, step: int,
+              seeded: bool = False) -> int:
+        """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
+        c = self.config
+        own = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens))
+        k = own.k
+        if not seeded:
+            cls = self._class(request_class)
+            wait = c.retry_after_steps * min(2 ** cls.failed_retries, MAX_BACKOFF)
+            if cls.k == 0 and c.num_speculative_tokens and step - cls.off_since >= wait:
+                cls.k, cls.rate, cls.good = 1, 1.0, 0  # retry
+                cls.failed_retries += 1  # until it grows back to the top
+            k = min(k, cls.k)
+        return min(k, c.num_speculative_tokens if requested is None else requested)
+
+    def update(self, request_id: str, request_class: str, num_draft: int, num_accepted: int, step: int) -> None:
+        """Records one verify step's outcome: halves K where a running rate fell below the threshold
+        and raises the class's K after a run of good steps."""
+        if num_draft == 0:
+            return
+        c = self.config
+        tried = min(num_draft, num_accepted + 1)
+        own, cls = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens)), self._class(request_class)
+        for r in (own, cls):
+            r.rate = c.ema_decay * r.rate + (1 - c.ema_decay) * num_accepted / tried
+            if r.rate < c.min_acceptance:
+                r.good = 0
+                if r.k > 0:
+                    r.k //= 2
+                    r.off_since = step
+            else:
+                r.good += 1
+        if cls.good >= GROW_AFTER and 0 < cls.k < c.num_speculative_tokens:
+            cls.k, cls.good = min(k for k in c.ladder if k > cls.k), 0
+            if cls.k == c.num_speculative_tokens:
+                cls.failed_retries = 0
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted draft tokens of a k-token proposal when each is accepted with probability alpha
+    (given the ones before it): alpha + alpha^2 + ... + alpha^k (Leviathan et al. 2023, §3.1)."""
+    return sum(alpha ** j for j in range(1, k + 1))
+
+
+class StepCosts:
+    """Measured seconds of an engine step by its shape, as running averages.
+
+    A shape is (token bucket T, sequence bucket S, program K), K as in
+    `StepTiming.spec_k`. Steps that compiled a program are not recorded
+    (`Engine.step` skips them), so a first call never poisons a shape.
+    """
+
+    DECAY = 0.8  # weight of the past per observation
+
+    def __init__(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]):
+        self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
+        self._seconds: dict[tuple[int, int, int | None], float] = {}
+
+    def observe(self, T: int, S: int, K: int | None, seconds: float) -> None:
+        key = (T, S, K)
+        old = self._seconds.get(key)
+        self._seconds[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def get(self, T: int, S: int, K: int | None) -> float | None:
+        """Seconds of a step of this shape, None if never measured."""
+        return self._seconds.get((T, S, K))
+
+    def prior(self, T: int) -> float | None:
+        """A guess for a step over token bucket T from the cheapest measured step of each bucket (such as
+        prefill chunks): bucket T's own, else interpolated linearly between the nearest measured buckets
+        below and above, else the nearest above (a step over more tokens is no cheaper); None if no bucket
+        from T up is measured."""
+        cheapest: dict[int, float] = {}
+        for (t, _, _), v in self._seconds.items():
+            cheapest[t] = min(v, cheapest.get(t, v))
+        if T in cheapest:
+            return cheapest[T]
+        hi = min((t for t in cheapest if t > T), default=None)
+        if hi is None:
+            return None
+        lo = max((t for t in cheapest if t < T), default=None)
+        if lo is None:
+            return cheapest[hi]
+        return cheapest[lo] + (cheapest[hi] - cheapest[lo]) * (T - lo) / (hi - lo)
+
+    def estimate(self, T: int, S: int, K: int | None, plain_T: int, plain: float) -> float | None:
+        """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`,
+        measured) takes `plain`: the measured average, else the plain step plus what the extra tokens'
+        products cost, `prior(T) - prior(plain_T)` (what makes this batch's plain step dearer than a bare
+        step of its bucket, such as attention over long contexts, is already in `plain`); None when
+        `prior(T)` is."""
+        seconds = self.get(T, S, K)
+        if seconds is not None:
+            return seconds
+        cheap_T = self.prior(T)
+        return None if cheap_T is None else plain + max(0.0, cheap_T - self.prior(plain_T))
+
+    def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
+        """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""
+        if num_tokens > self.token_buckets[-1] or num_seqs > self.seq_buckets[-1]:
+            return None
+        return bucket_for(num_tokens, self.token_buckets), bucket_for(num_seqs, self.seq_buckets)
+
+
+class _Acceptance:
+    """accepted / tried draft tokens of one request class, with older verifies decaying (alpha's estimate)."""
+
+    DECAY = 0.95  # weight of the past per verify: about the last 20 verifies count
+
+    def __init__(self):
+        self.accepted, self.tried = 1.0, 1.0  # optimistic prior: a new class is tried first
+
+    def add(self, accepted: int, tried: int) -> None:
+        self.accepted = self.DECAY * self.accepted + accepted
+        self.tried = self.DECAY * self.tried + tried
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
