@@ -126,6 +126,7 @@ def test_int8_draft_keeps_output_exact():
     plain = LLM(target, speculative=None, **LIMITS).generate(PROMPTS, greedy)
     spec = LLM(target, speculative="draft", draft_model=target, num_speculative_tokens=3,
                draft_kernel_dtype="int8", **LIMITS)
+    spec.engine.proposer.config.min_acceptance = 0.0  # every decode drafts, whatever this machine's step costs
     target_bytes = spec.engine.runner.packed_bytes - spec.engine.proposer.packed_bytes
     assert spec.engine.proposer.packed_bytes < target_bytes / 3  # int8 panels: a quarter of fp32
     outs = spec.generate(PROMPTS, greedy)
