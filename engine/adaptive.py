@@ -165,28 +165,59 @@ def expected_accepted(alpha: float, k: int) -> float:
     return sum(alpha ** j for j in range(1, k + 1))
 
 
+def attention_pairs(start: int, num_tokens: int) -> int:
+    """(query, key) pairs a row attends under the causal mask: `num_tokens` queries at positions
+    `start`, ..., `start + num_tokens - 1`, each over the keys up to itself."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
 class StepCosts:
-    """Measured seconds of an engine step by its shape, as running averages.
+    """Measured seconds of an engine step by its shape and attention work, as running averages.
 
     A shape is (token bucket T, sequence bucket S, program K), K as in
-    `StepTiming.spec_k`. Steps that compiled a program are not recorded
+    `StepTiming.spec_k`. A step's attention work is the (query, key) pairs it
+    attends, `attention_pairs` summed over its rows: the part of its cost that
+    grows with the contexts. Each shape keeps the running means of its
+    seconds and of its work; one slope, seconds per pair, is fitted across
+    shapes (least squares on the deviations from each shape's means), so a
+    shape measured at other contexts is priced at this step's
+    (`get(..., work)`). Steps that compiled a program are not recorded
     (`Engine.step` skips them), so a first call never poisons a shape.
     """
 
-    DECAY = 0.8  # weight of the past per observation
+    DECAY = 0.8  # weight of the past per observation of a shape
+    SLOPE_DECAY = 0.99  # weight of the past in the slope's sums: about the last 100 steps count
 
     def __init__(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]):
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
-        self._seconds: dict[tuple[int, int, int | None], float] = {}
+        self._means: dict[tuple[int, int, int | None], tuple[float, float]] = {}  # shape -> (seconds, pairs)
+        self._sxy = self._sxx = 0.0
 
-    def observe(self, T: int, S: int, K: int | None, seconds: float) -> None:
+    def observe(self, T: int, S: int, K: int | None, seconds: float, work: float = 0.0) -> None:
+        """One step of shape (T, S, K) took `seconds` and attended `work` (query, key) pairs."""
         key = (T, S, K)
-        old = self._seconds.get(key)
-        self._seconds[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        old = self._means.get(key)
+        if old is None:
+            self._means[key] = (seconds, work)
+            return
+        mean_s, mean_w = old
+        dw = work - mean_w
+        self._sxy = self.SLOPE_DECAY * self._sxy + dw * (seconds - mean_s)
+        self._sxx = self.SLOPE_DECAY * self._sxx + dw * dw
+        self._means[key] = (self.DECAY * mean_s + (1 - self.DECAY) * seconds,
+                            self.DECAY * mean_w + (1 - self.DECAY) * work)
 
-    def get(self, T: int, S: int, K: int | None) -> float | None:
-        """Seconds of a step of this shape, None if never measured."""
-        return self._seconds.get((T, S, K))
+    @property
+    def seconds_per_pair(self) -> float:
+        """The fitted attention cost of one (query, key) pair (0 until contexts have varied; never negative)."""
+        return max(0.0, self._sxy / self._sxx) if self._sxx > 0 else 0.0
+
+    def get(self, T: int, S: int, K: int | None, work: float | None = None) -> float | None:
+        """Seconds of a step of this shape (at `work` pairs; None: at its mean work), None if never measured."""
+        old = self._means.get((T, S, K))
+        if old is None:
+            return None
+        return old[0] if work is None else max(0.0, old[0] + self.seconds_per_pair * (work - old[1]))
 
     def prior(self, T: int) -> float | None:
         """A guess for a step over token bucket T from the cheapest measured step of each bucket (such as
@@ -194,7 +225,7 @@ class StepCosts:
         below and above, else the nearest above (a step over more tokens is no cheaper); None if no bucket
         from T up is measured."""
         cheapest: dict[int, float] = {}
-        for (t, _, _), v in self._seconds.items():
+        for (t, _, _), (v, _) in self._means.items():
             cheapest[t] = min(v, cheapest.get(t, v))
         if T in cheapest:
             return cheapest[T]
@@ -206,17 +237,20 @@ class StepCosts:
             return cheapest[hi]
         return cheapest[lo] + (cheapest[hi] - cheapest[lo]) * (T - lo) / (hi - lo)
 
-    def estimate(self, T: int, S: int, K: int | None, plain_T: int, plain: float) -> float | None:
-        """Seconds of a step of shape (T, S, K) in a batch whose plain step (token bucket `plain_T`,
-        measured) takes `plain`: the measured average, else the plain step plus what the extra tokens'
-        products cost, `prior(T) - prior(plain_T)` (what makes this batch's plain step dearer than a bare
-        step of its bucket, such as attention over long contexts, is already in `plain`); None when
-        `prior(T)` is."""
-        seconds = self.get(T, S, K)
+    def estimate(self, T: int, S: int, K: int | None, work: float, plain_T: int, plain: float,
+                 plain_work: float) -> float | None:
+        """Seconds of a step of shape (T, S, K) attending `work` pairs, in a batch whose plain step (token
+        bucket `plain_T`, measured, `plain_work` pairs) takes `plain`: the shape's measurement at `work`,
+        else the plain step plus what the extra tokens' products cost, `prior(T) - prior(plain_T)`, plus
+        their attention (what makes this batch's plain step dearer than a bare step of its bucket is
+        already in `plain`); None when `prior(T)` is."""
+        seconds = self.get(T, S, K, work)
         if seconds is not None:
             return seconds
         cheap_T = self.prior(T)
-        return None if cheap_T is None else plain + max(0.0, cheap_T - self.prior(plain_T))
+        if cheap_T is None:
+            return None
+        return plain + max(0.0, cheap_T - self.prior(plain_T)) + self.seconds_per_pair * max(0.0, work - plain_work)
 
     def shape(self, num_seqs: int, num_tokens: int) -> tuple[int, int] | None:
         """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""

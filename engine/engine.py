@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
-from engine.adaptive import SpeculationConfig, StepCosts
+from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
 from engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer
 from model.eagle import FC
 from engine.inputs import check_token_ids
@@ -242,7 +242,8 @@ class Engine:
         if compilation_count() != compiled:
             release_if_near_limit(len(self.runner.spec_ks))
         elif plan.seqs and self.proposer is not None:
-            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, timing.total)
+            work = sum(attention_pairs(s.start, s.num_new_tokens) for s in plan.seqs)
+            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, timing.total, work)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
         return outputs

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.adaptive import AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, expected_accepted
+from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, attention_pairs,
+                             expected_accepted)
 from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
 from engine.step import KVPool, build_model, kv_bytes_per_block
 from model.eagle import FC
@@ -54,8 +55,9 @@ class Proposer:
     (and, for n-gram, the lookup) allows a request; the cost gate then picks,
     among draft-length caps on the ladder and the top m requests by their
     class's acceptance rate, the choice with the most expected tokens per
-    second of this step's shape (`StepCosts`, measured as the engine runs;
-    an unmeasured shape is priced as the plain step plus the cost difference
+    second of this step's shape (`StepCosts`, measured as the engine runs and
+    priced at this step's contexts: each draft token attends its row's whole
+    context; an unmeasured shape is priced as the plain step plus the cost difference
     of the cheapest measured steps of the two token buckets, such as prefill
     chunks, or else as a plain step, so it is tried).
     Seeded requests skip the gate (their draft lengths, and so their outputs,
@@ -109,13 +111,15 @@ class Proposer:
             return
         B, base = len(decodes), (0 if self.on_device else None)
         shape = self.costs.shape(B, B)
-        plain = self.costs.get(*shape, base) if shape else None
+        plain_work = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
+        plain = self.costs.get(*shape, base, plain_work) if shape else None
         if plain is None:  # measure this batch size's plain step first
             for r in decodes:
                 if not self._outside_gate(r):
                     self._drafts[r.request_id] = 0
             return
-        fixed, fixed_k, gain, rows = 0, 0, 0.0, []
+        plain_at = (plain, plain_work)
+        fixed, fixed_k, gain, work, rows = 0, 0, 0.0, plain_work, []
         for r in decodes:
             k = self._drafts[r.request_id]
             if not k:
@@ -123,35 +127,47 @@ class Proposer:
             a = self.alpha(r)
             if self._outside_gate(r):
                 fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, k)
+                work += self._extra_pairs(r, k)
             else:
-                rows.append((a, k, r.request_id))
+                rows.append((a, k, r))
         rows.sort(key=lambda row: -row[0])
-        best, choice = (B + gain) / self._cost(B, fixed, fixed_k, plain, base), (0, 0)
+        best, choice = (B + gain) / self._cost(B, fixed, fixed_k, work, plain_at, base), (0, 0)
+        fixed_work = work
         for cap in self.config.ladder:
-            drafted, tokens, top = fixed, B + gain, fixed_k
-            for m, (a, k, _) in enumerate(rows, 1):
+            drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
+            for m, (a, k, r) in enumerate(rows, 1):
                 k = min(k, cap)
                 drafted, tokens, top = drafted + k, tokens + expected_accepted(a, k), max(top, k)
-                rate = tokens / self._cost(B, drafted, top, plain, base)
+                work += self._extra_pairs(r, k)
+                rate = tokens / self._cost(B, drafted, top, work, plain_at, base)
                 if rate > best:
                     best, choice = rate, (cap, m)
         cap, m = choice
-        for i, (_, k, rid) in enumerate(rows):
-            self._drafts[rid] = min(k, cap) if i < m else 0
+        for i, (_, k, r) in enumerate(rows):
+            self._drafts[r.request_id] = min(k, cap) if i < m else 0
+
+    @staticmethod
+    def _extra_pairs(request: Request, k: int) -> int:
+        """The attention pairs `k` draft tokens add to a decode row."""
+        start = request.num_computed_tokens
+        return attention_pairs(start, 1 + k) - attention_pairs(start, 1)
 
     def _outside_gate(self, request: Request) -> bool:
         """A seeded request keeps the policy's draft length, unless drafting cannot change its output."""
         return request.sampling.seed is not None and not self.output_independent
 
-    def _cost(self, B: int, drafted: int, top: int, plain: float, base: int | None) -> float:
-        """Seconds of a step of B decodes verifying `drafted` draft tokens, at most `top` per row."""
+    def _cost(self, B: int, drafted: int, top: int, work: int, plain_at: tuple[float, int],
+              base: int | None) -> float:
+        """Seconds of a step of B decodes verifying `drafted` draft tokens, at most `top` per row, attending
+        `work` pairs; `plain_at`: the batch's plain step (seconds, pairs)."""
+        plain, plain_work = plain_at
         if drafted == 0:
             return plain
         shape = self.costs.shape(B, B + drafted)
         if shape is None:
             return float("inf")
         K = min(k for k in self.program_ks if k >= top)
-        seconds = self.costs.estimate(*shape, K, self.costs.shape(B, B)[0], plain)
+        seconds = self.costs.estimate(*shape, K, work, self.costs.shape(B, B)[0], plain, plain_work)
         return plain if seconds is None else max(seconds, plain)
 
     def draft_len(self, request: Request, step: int) -> int:

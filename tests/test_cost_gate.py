@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.adaptive import SpeculationConfig, StepCosts, expected_accepted
+from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs, expected_accepted
 from engine.proposers import NgramProposer, Proposer
 from scheduler.packing import power_of_two_buckets
 from scheduler.request import Request, SamplingParams
@@ -49,20 +49,54 @@ def test_step_costs_average_and_buckets():
     costs.observe(4, 1, 2, 2.0)
     assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
     assert costs.shape(3, 11) == (16, 4) and costs.shape(1, 65) is None
-    assert costs.estimate(4, 1, 2, 4, 0.5) == costs.get(4, 1, 2)  # measured shapes are their average
+    assert costs.estimate(4, 1, 2, 0, 4, 0.5, 0) == costs.get(4, 1, 2)  # measured shapes are their average
 
 
 def test_priors_come_from_the_cheapest_step_of_each_bucket():
     costs = StepCosts(BUCKETS, BUCKETS)
     costs.observe(4, 4, None, 0.060)  # the batch's plain step (long contexts)
     costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: bucket 4's cheapest
-    assert costs.prior(8) is None and costs.estimate(8, 4, 1, 4, 0.060) is None  # nothing from bucket 8 up
+    assert costs.prior(8) is None and costs.estimate(8, 4, 1, 0, 4, 0.060, 0) is None  # nothing from bucket 8 up
     costs.observe(32, 1, None, 0.090)
     assert costs.prior(8) == pytest.approx(0.030 + 0.060 * 4 / 28)  # between buckets 4 and 32
     costs.observe(8, 1, None, 0.036)
     assert costs.prior(8) == 0.036 and costs.prior(2) == 0.030  # its own; below the cheapest: bounded above
     # The plain step plus the difference of the two buckets' priors (the extra tokens' products).
-    assert costs.estimate(8, 4, 1, 4, 0.060) == pytest.approx(0.060 + 0.036 - 0.030)
+    assert costs.estimate(8, 4, 1, 0, 4, 0.060, 0) == pytest.approx(0.060 + 0.036 - 0.030)
+
+
+def test_step_costs_fit_seconds_per_attention_pair_across_shapes():
+    """One slope, seconds per (query, key) pair, from the deviations of each shape's steps from its means;
+    a shape is then priced at any context."""
+    costs = StepCosts(BUCKETS, BUCKETS)
+    assert attention_pairs(100, 1) == 101 and attention_pairs(100, 5) == 500 + 15
+    assert costs.seconds_per_pair == 0
+    for work in (1_000, 3_000, 5_000):
+        costs.observe(4, 4, None, 0.020 + 2e-6 * work, work)  # the same shape at growing contexts
+        costs.observe(8, 4, 4, 0.030 + 2e-6 * work, work)
+    assert costs.seconds_per_pair == pytest.approx(2e-6)
+    mean_seconds, mean_work = costs.get(4, 4, None), costs._means[(4, 4, None)][1]
+    assert costs.get(4, 4, None, mean_work + 10_000) == pytest.approx(mean_seconds + 0.020)
+    assert costs.get(8, 4, 4, 20_000) == pytest.approx(0.030 + 2e-6 * 20_000)
+    # An unmeasured verify: the plain step, its bucket's extra products (none measured: 0), its extra pairs.
+    assert costs.estimate(4, 2, 4, 9_000, 4, 0.050, 4_000) == pytest.approx(0.050 + 2e-6 * 5_000)
+
+
+@pytest.mark.parametrize("context, drafts", [(100, 4), (10_000, 0)])
+def test_a_verify_measured_at_short_contexts_is_priced_at_this_steps(context, drafts):
+    """The 5-token verify was measured at a 100-token context (21 ms, about the plain step there); at a
+    10,000-token context each draft token attends 10,000 more pairs (100 ms at the fitted 10 us per pair;
+    the plain step takes 120 ms), so with alpha 1/2 no draft length pays, although the verify's measured
+    mean alone would say it does."""
+    p = _Fixed(SpeculationConfig(4, min_acceptance=0.01), {"r0": 4})
+    _teach(p, "default", [(4, 1)])  # alpha 1 / 2
+    p.costs.observe(1, 1, None, 0.020, 100)
+    p.costs.observe(1, 1, None, 0.120, 10_100)  # the plain step at a long context: 10 us per pair
+    p.costs.observe(8, 1, 4, 0.021, attention_pairs(100, 5))
+    [r] = _decodes(1)
+    r.num_computed_tokens = context
+    p.begin_step([r], 0)
+    assert p.draft_len(r, 0) == drafts
 
 
 def test_cheap_verify_and_good_acceptance_draft_the_full_k():
