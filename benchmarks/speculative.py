@@ -14,6 +14,9 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
   bonus token), over the run's verifies; per position: the fraction of
   verifies proposing a token at window position i that accepted it.
 * tokens/step: emitted tokens per target step in the timed steps.
+* host draft share: the proposer's host seconds (the cost gate, n-gram lookups) over the
+  run's step seconds (`EngineStats.draft_share`); a device proposer's draft passes run inside the
+  step program and are in c.
 * c: the extra cost per proposed token (the draft passes and the wider verify
   window together) relative to a plain target step,
   c = (t_spec_step - t_plain_step) / (K * t_plain_step), from the timed steps.
@@ -106,6 +109,7 @@ def _decode(llm, prompts, request_class="default"):
                               request_class=request_class).request_id for i, p in enumerate(prompts)]
     st = engine.stats
     before = (st.num_verifies, st.num_accepted_tokens, list(st.drafted_at), list(st.accepted_at))
+    seconds0 = dict(st.seconds)
     outs, steps, tokens, elapsed, untimed = {}, 0, 0, 0.0, 2
     while engine.has_unfinished():
         t = time.perf_counter()
@@ -129,8 +133,10 @@ def _decode(llm, prompts, request_class="default"):
     grow = lambda xs: xs + [0] * (len(st.drafted_at) - len(xs))
     positions = [(a - a0) / (d - d0) for a, a0, d, d0 in zip(st.accepted_at, grow(before[3]), st.drafted_at,
                                                                 grow(before[2])) if d > d0]
+    spent = {p: st.seconds[p] - seconds0[p] for p in st.seconds}
+    share = spent["propose"] / sum(spent.values())
     return tokens / elapsed, 1e3 * elapsed / steps, tokens / steps, (accepted / drafted if drafted else None), \
-        [outs[i].token_ids for i in ids], length, positions
+        [outs[i].token_ids for i in ids], length, positions, share
 
 
 def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
@@ -174,9 +180,9 @@ def main(argv):
     print("|---|" + "---:|" * len(costs))
     print("| ms | " + " | ".join(f"{ms:.1f}" for ms in costs.values()) + " |")
     print("| x 1-token step | " + " | ".join(f"{ms / costs[1]:.2f}" for ms in costs.values()) + " |\n")
-    print("| domain | proposer | batch | K | alpha | acceptance length | per position | tokens/step | c "
+    print("| domain | proposer | batch | K | alpha | acceptance length | per position | tokens/step | c | host draft share "
           "| ms/step (spec / plain) | tok/s (spec / plain) | speed-up measured | (1+K alpha)/(1+K c) |")
-    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
         return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
@@ -193,16 +199,16 @@ def main(argv):
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = _prompts(target.tokenizer, domain, b)
-            plain_tps, plain_ms, _, _, want, _, _ = _decode(plain_llm, prompts)
+            plain_tps, plain_ms, _, _, want, _, _, _ = _decode(plain_llm, prompts)
             for (name, k), llm in spec_llms.items():
-                tps, ms, per_step, alpha, got, length, positions = _decode(llm, prompts)
+                tps, ms, per_step, alpha, got, length, positions, share = _decode(llm, prompts)
                 if FLAGS.temperature == 0:
                     assert got == want, "speculative greedy output differs from the target's"
                 c = (ms - plain_ms) / (k * plain_ms)
                 alpha = alpha or 0.0  # n-gram: None when nothing matched
                 per_pos = " ".join(f"{a:.2f}" for a in positions)
                 print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {length:.2f} | {per_pos} | {per_step:.2f} "
-                      f"| {c:.2f} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x "
+                      f"| {c:.2f} | {share:.1%} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x "
                       f"| {(1 + k * alpha) / (1 + k * c):.2f}x |", flush=True)
             for name, llm in defaults.items():
                 # Runs alternate with the plain engine's; the medians are compared (this VM's speed drifts).
@@ -213,16 +219,17 @@ def main(argv):
                         assert runs[-1][4] == want, "speculative greedy output differs from the target's"
                     if i + 1 < FLAGS.repeats:
                         plain_runs.append(_decode(plain_llm, prompts)[0])
-                tps, per_step = (statistics.median(r[j] for r in runs) for j in (0, 2))
+                tps, per_step, share = (statistics.median(r[j] for r in runs) for j in (0, 2, 7))
                 alpha = runs[-1][3]
                 plain_med = statistics.median(plain_runs)
                 row = (f"| {domain} | {name} | {b} | {tps:.1f} / {plain_med:.1f} | {tps / plain_med:.2f}x "
-                       f"| {per_step:.2f} | {alpha or 0:.2f} |")
+                       f"| {per_step:.2f} | {alpha or 0:.2f} | {share:.1%} |")
                 adaptive.append(row)
                 print(f"default settings: {row}", flush=True)
     print("\n## Default settings (K = 4, adaptive per request class, cost gate), per batch size\n")
-    print("| domain | proposer | batch | tok/s default / no speculation | ratio | tokens/step | alpha |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| domain | proposer | batch | tok/s default / no speculation | ratio | tokens/step | alpha "
+          "| host draft share |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     print("\n".join(adaptive))
 
 

@@ -218,26 +218,29 @@ class Engine:
         compiled = compilation_count()
         if self.proposer is not None:
             self.proposer.begin_step(self.scheduler.decodes(), self.num_steps)
+            timing.propose = time.perf_counter() - t0
         plan = self.scheduler.schedule(self._draft_len if self.proposer is not None else None)
         t1 = time.perf_counter()
         self.runner.apply_block_ops(plan)
         for parent, children in plan.forks:
             self._fork(parent, children)
         t2 = time.perf_counter()
-        timing.schedule, timing.block_ops = t1 - t0, t2 - t1
+        timing.schedule, timing.block_ops = t1 - t0 - timing.propose, t2 - t1
         outputs = []
         if plan.seqs:
             K, proposals = None, None
             if self.proposer is not None:
                 K = self.proposer.step_k(plan, self.num_steps)
                 proposals = self.proposer.proposals(plan) if K else None
+                timing.propose += time.perf_counter() - t2
+            t3 = time.perf_counter()
             packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
                                              for s in plan.seqs}, K, proposals)
-            timing.pack = time.perf_counter() - t2
+            timing.pack = time.perf_counter() - t3
             result = self.runner.run(packed, K, timing)
-            t3 = time.perf_counter()
+            t4 = time.perf_counter()
             outputs = self._update(plan, result)
-            timing.update = time.perf_counter() - t3
+            timing.update = time.perf_counter() - t4
         self.stats.add(timing)
         if compilation_count() != compiled:
             release_if_near_limit(len(self.runner.spec_ks))

@@ -41,7 +41,7 @@ from scheduler.scheduler import ScheduledSeq, StepPlan
 
 log = logging.getLogger(__name__)
 
-PHASES = ("schedule", "block_ops", "pack", "to_device", "device", "update")
+PHASES = ("propose", "schedule", "block_ops", "pack", "to_device", "device", "update")
 
 
 @dataclasses.dataclass
@@ -50,12 +50,16 @@ class StepTiming:
 
     `device` runs from dispatching the step program to its outputs being on
     the host (the XLA computation plus the read back); every other phase is
-    host work. `update` appends tokens, detokenizes and builds the outputs.
+    host work. `propose` is the proposer's host work (the cost gate, a host
+    proposer's lookups and proposals; a device proposer's draft passes run in
+    `device`, inside the step program). `update` appends tokens, detokenizes
+    and builds the outputs.
     """
 
     num_tokens: int = 0  # token bucket T (0: nothing ran)
     num_seqs: int = 0  # sequence bucket S
     spec_k: int | None = None  # None: target only; 0: the draft keeps its KV; K: draft + verify
+    propose: float = 0.0
     schedule: float = 0.0
     block_ops: float = 0.0
     pack: float = 0.0
@@ -116,6 +120,14 @@ class EngineStats:
     def position_acceptance(self) -> list[float]:
         """Per window position i: the fraction of verifies proposing a token there that accepted it."""
         return [a / d for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def draft_share(self) -> float | None:
+        """The proposer's host seconds (`StepTiming.propose`) over all step seconds (None before a step).
+        A device proposer's draft passes are inside the step program: its share of them is the verify
+        program's cost over the plain one's (`benchmarks/speculative.py`, column c)."""
+        total = sum(self.seconds.values())
+        return self.seconds["propose"] / total if total else None
 
     @property
     def device_seconds(self) -> float:

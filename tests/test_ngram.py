@@ -65,7 +65,8 @@ def target():
 
 def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(target):
     greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
-    want = [o.token_ids for o in _run(Engine(target, CFG), PROMPTS, greedy)]
+    plain = Engine(target, CFG)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
     ngram = Engine(target, CFG, speculation=NGRAM)
     assert ngram.runner.pools[1:] == ()  # no draft model, no second pool
     for _ in range(2):  # the second round hits the prefix cache
@@ -78,6 +79,7 @@ def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(target):
     assert sum(st.drafted_at) == st.num_draft_tokens and sum(st.accepted_at) == st.num_accepted_tokens
     assert all(a >= b for a, b in zip(st.accepted_at, st.accepted_at[1:])) and st.drafted_at[0] == st.num_verifies
     assert st.acceptance_length == 1 + st.num_accepted_tokens / st.num_verifies
+    assert 0 < st.draft_share < 1 and plain.stats.draft_share == 0  # the lookups' host time; none without one
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),

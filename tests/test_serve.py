@@ -315,7 +315,7 @@ def test_metrics_endpoint(server, client):
     assert values["engine_compilations"] > 0 and values["engine_steps_total"] > 0
     cached, prompt = values["engine_cached_prompt_tokens_total"], values["engine_prompt_tokens_total"]
     assert values["engine_prefix_cache_hit_rate"] == pytest.approx(cached / prompt)
-    assert values["engine_spec_acceptance_rate"] == 0
+    assert values["engine_spec_acceptance_rate"] == 0 and values["engine_spec_draft_time_share"] == 0
     assert values["engine_requests_rejected_total"] == rejected + 2
 
 

@@ -60,6 +60,10 @@ class Metrics:
         self.position_acceptance = prom.Gauge(
             "engine_spec_position_acceptance", "Per draft position: accepted / proposed there since start.",
             ["position"], registry=r)
+        self.draft_share = prom.Gauge("engine_spec_draft_time_share",
+                                      "The proposer's host seconds (cost gate, lookups) / all step seconds since "
+                                      "start; a device proposer's draft passes are in the step program.",
+                                      registry=r)
         prom.Gauge("engine_compilations", "XLA programs compiled by this process.",
                    registry=r).set_function(compilation_count)
         prom.Gauge("engine_generation_tokens_per_second",
@@ -87,6 +91,8 @@ class Metrics:
         self.kv_blocks_total.set(blocks.num_usable_blocks)
         self.kv_blocks_in_use.set(blocks.num_usable_blocks - blocks.num_free_blocks)
         stats = engine.stats
+        if stats.draft_share is not None:
+            self.draft_share.set(stats.draft_share)
         if stats.num_draft_tokens:
             self.acceptance_rate.set(stats.acceptance_rate)
             self.acceptance_length.set(stats.acceptance_length)
