@@ -124,8 +124,8 @@ class EngineStats:
     @property
     def draft_share(self) -> float | None:
         """The proposer's host seconds (`StepTiming.propose`) over all step seconds (None before a step).
-        A device proposer's draft passes are inside the step program: its share of them is the verify
-        program's cost over the plain one's (`benchmarks/speculative.py`, column c)."""
+        A device proposer's draft passes run inside the step program, so they count as `device` time; their
+        cost shows as the verify step's extra cost over a plain one (`benchmarks/speculative.py`, column c)."""
         total = sum(self.seconds.values())
         return self.seconds["propose"] / total if total else None
 
