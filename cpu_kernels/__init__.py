@@ -9,6 +9,13 @@ memory once and keeps `rows x 16` accumulators in vector registers
 bfloat16 (half the bytes) or int8 with a per-output-column scale (a quarter);
 accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
 
+`amx_matmul(x, w)`: the same product for many rows (prefill chunks, scoring,
+large decode batches) on Intel AMX tiles, with W packed once by `pack_amx(w,
+passes)` into bf16 tiles (`AmxWeight`); 3 passes keep close to fp32 (the
+bf16x3 split), 1 pass is a bf16 product (`amx_matmul.cc`).
+`amx_matmul_reference` is its plain-jnp reference. `amx_available()` says
+whether this CPU and OS allow AMX.
+
 `paged_attention(...)`: ragged paged attention with the contract of
 `pallas_kernels.reference.ragged_paged_attention_reference` (its reference),
 for steps of few tokens (decode, verify windows); `paged_attention.cc` gives
@@ -18,7 +25,7 @@ The library is compiled by the install (`pip install -e .`, see `setup.py`).
 When it is missing or cannot load, or the CPU has neither AVX-512F nor
 AVX2+FMA, `available()` is False, one warning is logged, and callers keep
 XLA's dot. `JSE_CPU_ISA=avx2` in the environment keeps an AVX-512 CPU on the
-AVX2 path (read once, when the library loads).
+AVX2 path and `JSE_CPU_ISA=avx512` off AMX (read once, when the library loads).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ PANEL = 16  # output columns per panel (the kernel's vector width)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TARGET = "jse_skinny_matmul"
 _ATTENTION_TARGET = "jse_paged_attention"
+_AMX_TARGET = "jse_amx_matmul"
+AMX_TILE_K = 32  # bf16 elements of k per AMX tile row
+AMX_BLOCK = 32  # output columns (and rows) per 2 x 2 block of AMX C tiles
 _DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}
 
 
@@ -108,6 +118,78 @@ def skinny_matmul(x: jax.Array, p: PackedWeight) -> jax.Array:
     return call(x.astype(jnp.float32), p.panels, scales)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AmxWeight:
+    """A `[K, N]` weight in AMX bf16 tiles (see `amx_matmul.cc` for the layout).
+
+    hi: bfloat16 `[Np / 16, Kp / 32, 16, 32]`, W rounded to bf16 (Kp, Np: K and N
+      padded with zeros to multiples of 32).
+    lo: bfloat16, the same shape, W - hi rounded to bf16 (3 passes), or `[0]` (1 pass).
+    n: N, the real number of output columns (static).
+    """
+
+    hi: jax.Array
+    lo: jax.Array
+    n: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes
+
+
+def pack_amx(w, passes: int = 3) -> AmxWeight:
+    """Packs W `[K, N]` (any float array) into AMX tiles: `passes` 3 keeps W as hi + lo bf16 parts (close to
+    fp32), 1 as bf16 alone. Raises ValueError for another `passes` or a non-2-D weight."""
+    if passes not in (1, 3):
+        raise ValueError(f"amx passes must be 1 or 3, got {passes!r}")
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"pack_amx wants a [K, N] weight, got shape {w.shape}")
+    K, N = w.shape
+    kp, n_pad = -(-K // AMX_TILE_K) * AMX_TILE_K, -(-N // AMX_BLOCK) * AMX_BLOCK
+    w = np.pad(w, ((0, kp - K), (0, n_pad - N)))
+    # [c, r, e, p, j] -> [p, c, r, j, e]: k = 32 c + 2 r + e, n = 16 p + j
+    tiles = w.reshape(kp // 32, 16, 2, n_pad // 16, 16).transpose(3, 0, 1, 4, 2).reshape(n_pad // 16, kp // 32, 16, 32)
+    hi = tiles.astype(jnp.bfloat16)
+    lo = (tiles - hi.astype(np.float32)).astype(jnp.bfloat16) if passes == 3 else np.zeros(0, jnp.bfloat16)
+    return AmxWeight(jnp.asarray(hi), jnp.asarray(lo), N)
+
+
+def unpack_amx(p: AmxWeight, k: int) -> jax.Array:
+    """The float32 `[k, N]` weight a packed one stands for (hi + lo)."""
+    tiles = p.hi.astype(jnp.float32)
+    if p.lo.size:
+        tiles = tiles + p.lo.astype(jnp.float32)
+    n16, c = tiles.shape[:2]
+    w = tiles.reshape(n16, c, 16, 16, 2).transpose(1, 2, 4, 0, 3).reshape(c * 32, n16 * 16)
+    return w[:k, :p.n]
+
+
+def amx_matmul_reference(x: jax.Array, p: AmxWeight) -> jax.Array:
+    """float32 `[T, N]`: what `amx_matmul` computes (x split into bf16 parts as the kernel does, products
+    summed in float32 at highest precision)."""
+    x = x.astype(jnp.float32)
+    k = x.shape[1]
+    x_hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+    hi = functools.partial(unpack_amx, k=k)(AmxWeight(p.hi, jnp.zeros(0, jnp.bfloat16), p.n))
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+    if not p.lo.size:
+        return dot(x_hi, hi)
+    lo = unpack_amx(p, k) - hi
+    x_lo = (x - x_hi).astype(jnp.bfloat16).astype(jnp.float32)
+    return dot(x_hi, hi) + dot(x_lo, hi) + dot(x_hi, lo)
+
+
+def amx_matmul(x: jax.Array, p: AmxWeight) -> jax.Array:
+    """float32 `[T, N]` = x `[T, K]` @ W on AMX tiles; requires `amx_available()`."""
+    if not amx_available():
+        raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
+    lo = p.lo if p.lo.size else jnp.zeros(0, jnp.bfloat16)
+    call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], p.n), jnp.float32))
+    return call(x.astype(jnp.float32), p.hi, lo)
+
+
 def paged_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_attention` takes these head shapes (at most 16 query heads per KV head, D % 8 == 0, D <= 256)."""
     return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and head_dim % 8 == 0 and head_dim <= 256
@@ -147,6 +229,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JseSkinnyMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JsePagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(_AMX_TARGET, jax.ffi.pycapsule(lib.JseAmxMatmul), platform="cpu")
     return lib
 
 
@@ -158,6 +241,12 @@ def _require() -> None:
 def available() -> bool:
     """Whether the kernel is built, loads, and has a vector path on this CPU."""
     return _library() is not None
+
+
+def amx_available() -> bool:
+    """Whether `amx_matmul` runs here: the library loads and the CPU and OS allow AMX-BF16 tiles."""
+    lib = _library()
+    return lib is not None and lib.jse_amx_available() == 1
 
 
 def cpu_features() -> str:

@@ -23,10 +23,14 @@ from model.llama import Llama
 from scheduler.request import MAX_LOGPROBS
 
 
-# Products over at most this many tokens use the CPU kernel; larger ones (prefill chunks) XLA's dot.
+# Products over at most this many tokens use the skinny CPU kernel; larger ones (prefill chunks) XLA's dot.
 # Measured on the 2-core development machine (benchmarks/cpu_matmul.py): the kernel takes 0.69x XLA's
 # time at T = 16, 0.77x at T = 32 and 0.88x at T = 64.
 SKINNY_MAX_ROWS = 64
+# Where the CPU has AMX, products over more tokens than this use the AMX kernel instead: at T = 32 it takes
+# 0.4-0.7x the skinny kernel's time (3 passes, SmolLM2's projections), at T = 16 about the same, at T = 8
+# 1.1-1.5x (benchmarks/cpu_matmul.py).
+AMX_SKINNY_MAX_ROWS = 16
 
 
 # Steps of at most this many tokens (the default token budget) use the native CPU attention kernel; larger
@@ -72,12 +76,17 @@ def build_model(loaded, config, kernel_dtype: str | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
     (a `LoadedModel`), with the CPU kernel's packed weights when
     `config.matmul` (an `EngineConfig`) is "auto" on CPU and the kernel loads (`kernel_dtype`: their dtype, default the
-    model's). Returns (graphdef, `Weights` of the state, bytes of the packed copies)."""
+    model's), and AMX copies where the CPU has AMX. Returns (graphdef, `Weights` of the state, bytes of the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
              else Llama(loaded.config, params=loaded.params))
     packed = 0
     if config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
-        packed = model.pack_linears(kernel_dtype or loaded.config.dtype, SKINNY_MAX_ROWS)
+        dtype = kernel_dtype or loaded.config.dtype
+        # bf16 kernel weights: one bf16 pass; fp32: three (close to fp32); int8 (a draft kept small): none.
+        if cpu_kernels.amx_available() and dtype != "int8":
+            packed = model.pack_linears(dtype, AMX_SKINNY_MAX_ROWS, 1 if dtype == "bfloat16" else 3)
+        else:
+            packed = model.pack_linears(dtype, SKINNY_MAX_ROWS)
     graphdef, state = nnx.split(model)
     return graphdef, Weights.of(state), packed
 

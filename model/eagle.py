@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import cpu_kernels
 from model.config import ModelConfig
-from model.llama import AttendFn, Llama
+from model.llama import AttendFn, Llama, keep_packed
 
 FC = "eagle_fc"  # params key of the fusion layer, float `[2E, E]`
 
@@ -58,12 +57,10 @@ class EagleHead(nnx.Module):
     def cfg(self) -> ModelConfig:
         return self.body.cfg
 
-    def pack_linears(self, dtype: str, max_rows: int = 16) -> int:
-        """The CPU kernel's packed copies of the layer, the head and `fc` (see `Llama.pack_linears`)."""
-        total = self.body.pack_linears(dtype, max_rows)
-        p = cpu_kernels.pack(np.asarray(self.fc[...], np.float32), dtype)
-        self.fc_panels, self.fc_scales = nnx.Variable(p.panels), nnx.Variable(p.scales)
-        return total + p.nbytes
+    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None) -> int:
+        """The CPU kernels' packed copies of the layer, the head and `fc` (see `Llama.pack_linears`)."""
+        total = self.body.pack_linears(dtype, max_rows, amx_passes)
+        return total + keep_packed(self, "fc", np.asarray(self.fc[...], np.float32), dtype, amx_passes)
 
     def __call__(self, token_ids: jax.Array, features: jax.Array, positions: jax.Array, attend: AttendFn,
                  cache: object) -> tuple[jax.Array, object]:

@@ -94,6 +94,21 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
 
 
+def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None) -> int:
+    """Stores `owner`'s weight `name` (`w` `[K, N]`) in the skinny kernel's panels (`{name}_panels`,
+    `{name}_scales`) and, with `amx_passes`, in AMX tiles (`{name}_amx_hi`, `{name}_amx_lo`); returns their bytes."""
+    p = cpu_kernels.pack(w, dtype)
+    setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
+    setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
+    total = p.nbytes
+    if amx_passes is not None:
+        a = cpu_kernels.pack_amx(w, amx_passes)
+        setattr(owner, f"{name}_amx_hi", nnx.Variable(a.hi))
+        setattr(owner, f"{name}_amx_lo", nnx.Variable(a.lo))
+        total += a.nbytes
+    return total
+
+
 class Block(nnx.Module):
     """One decoder layer's weights, sliced from the stacked `param_specs` arrays.
 
@@ -169,33 +184,26 @@ class Llama(nnx.Module):
 
     LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 
-    def pack_linears(self, dtype: str, max_rows: int = 16) -> int:
-        """Keeps a copy of every projection and of the output head in the native CPU kernel's panel
-        layout (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8"); from then on
-        products over at most `max_rows` tokens use the kernel, larger ones XLA's dot on the
-        original weights (the choice is made at trace time from static shapes).
+    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None) -> int:
+        """Keeps a copy of every projection and of the output head in the native CPU kernels' layouts; from
+        then on products over at most `max_rows` tokens use the skinny kernel (`cpu_kernels.pack`, weights
+        in `dtype`: "float32", "bfloat16" or "int8"), larger ones the AMX kernel when `amx_passes` is given
+        (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 1, bf16), else XLA's dot on the original weights
+        (the choice is made at trace time from static shapes).
 
         Returns the bytes the packed copies take. Call before `nnx.split`.
         """
         total = 0
-
-        def keep(owner, name: str, w: np.ndarray) -> None:
-            nonlocal total
-            p = cpu_kernels.pack(w, dtype)
-            setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
-            setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
-            total += p.nbytes
-
         for lp in self.layers:
             for name in self.LINEARS:
-                keep(lp, name, np.asarray(getattr(lp, name)[...], np.float32))
+                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes)
         if self.cfg.head_vocab_size:
             head = np.asarray(self.head[...], np.float32).T
         elif self.cfg.tie_word_embeddings:
             head = np.asarray(self.embed[...], np.float32).T
         else:
             head = np.asarray(self.lm_head[...], np.float32)
-        keep(self, "head", head)
+        total += keep_packed(self, "head", head, dtype, amx_passes)
         self.skinny_rows = max_rows
         return total
 
@@ -207,10 +215,21 @@ class Llama(nnx.Module):
         n = (self.cfg.head_vocab_size or self.cfg.vocab_size) if name == "head" else getattr(owner, name)[...].shape[-1]
         return cpu_kernels.PackedWeight(panels, getattr(owner, f"{name}_scales")[...], n)
 
+    def _amx(self, owner, name: str) -> cpu_kernels.AmxWeight | None:
+        """The AMX copy of `owner`'s weight `name`, or None where there is none."""
+        if not hasattr(owner, f"{name}_amx_hi"):
+            return None
+        n = (self.cfg.head_vocab_size or self.cfg.vocab_size) if name == "head" else getattr(owner, name)[...].shape[-1]
+        return cpu_kernels.AmxWeight(getattr(owner, f"{name}_amx_hi")[...], getattr(owner, f"{name}_amx_lo")[...], n)
+
     def _linear(self, x: jax.Array, lp: Block, name: str) -> jax.Array:
-        """x `[T, in]` @ the layer's weight `name` `[in, out]`: the CPU kernel for skinny x, else XLA's dot."""
+        """x `[T, in]` @ the layer's weight `name` `[in, out]`: the skinny CPU kernel for skinny x, else the AMX
+        kernel where the weight has an AMX copy, else XLA's dot."""
         if self._skinny(x):
             return cpu_kernels.skinny_matmul(x, self._packed(lp, name)).astype(x.dtype)
+        amx = self._amx(lp, name)
+        if amx is not None:
+            return cpu_kernels.amx_matmul(x, amx).astype(x.dtype)
         return x @ getattr(lp, name)[...]
 
     def to_params(self) -> dict[str, np.ndarray]:
@@ -278,6 +297,13 @@ class Llama(nnx.Module):
         """
         if self._skinny(hidden):
             out = cpu_kernels.skinny_matmul(hidden, self._packed(self, "head"))
+            if not self.cfg.head_vocab_size:
+                return out
+            full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)
+            return full.at[:, self.head_ids[...]].set(out, indices_are_sorted=True, unique_indices=True)
+        amx = self._amx(self, "head")
+        if amx is not None:
+            out = cpu_kernels.amx_matmul(hidden, amx)
             if not self.cfg.head_vocab_size:
                 return out
             full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)

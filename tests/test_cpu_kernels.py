@@ -134,6 +134,99 @@ def test_int8_draft_keeps_output_exact():
     assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
+# ---- AMX matmul ----------------------------------------------------------------------------------------
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+
+
+# Skipped only on CPUs without AMX; a library that does not offer it on an AMX CPU fails.
+amx = pytest.mark.skipif(not _cpu_has_amx(), reason="the CPU has no AMX-BF16")
+
+
+@amx
+def test_amx_is_available_on_an_amx_cpu():
+    assert ck.amx_available(), "AMX CPU, but the kernel library does not offer AMX (OS permission? build?)"
+
+
+@amx
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 80), K=st.sampled_from([16, 48, 100, 576]), N=st.sampled_from([16, 37, 64, 200, 1000]),
+       passes=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_amx_equals_reference_and_the_f64_product(T, K, N, passes, seed):
+    """Every shape (T, K and N off the 32-multiples included) against the reference (the same bf16 parts,
+    summed by jnp.dot: fp32-level agreement), and against the exact product: 3 passes within 2**-15 of
+    |x| @ |W| elementwise (each of x and W is kept to 2**-17 by its hi + lo parts), 1 pass within 2**-7
+    (both rounded to bf16, 2**-9 each)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(0, 0.05, (K, N)).astype(np.float32)
+    x = rng.normal(0, 1, (T, K)).astype(np.float32)
+    p = ck.pack_amx(w, passes)
+    got = np.asarray(jax.jit(ck.amx_matmul)(jnp.asarray(x), p))
+    assert got.shape == (T, N)
+    want = np.asarray(ck.amx_matmul_reference(jnp.asarray(x), p))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
+    exact = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+    assert np.all(np.abs(got - exact) <= (2.0**-15 if passes == 3 else 2.0**-7) * scale + 1e-6)
+
+
+@amx
+def test_amx_rows_do_not_depend_on_batch_mates():
+    """A row's result is bitwise the same whatever rows share its call (and its 32-row tile block)."""
+    rng = np.random.default_rng(2)
+    p = ck.pack_amx(rng.normal(0, 0.05, (576, 100)).astype(np.float32))
+    x = rng.normal(0, 1, (70, 576)).astype(np.float32)
+    f = jax.jit(ck.amx_matmul)
+    full = np.asarray(f(x, p))
+    for T in (1, 17, 32, 33, 64):
+        np.testing.assert_array_equal(np.asarray(f(x[:T], p)), full[:T])
+    np.testing.assert_array_equal(np.asarray(f(x[40:41], p))[0], full[40])
+
+
+def test_pack_amx_round_trip_and_bad_input():
+    """hi + lo keep W to 2**-17 relative (3 passes); 1 pass is W rounded to bf16 exactly."""
+    w = np.random.default_rng(0).normal(0, 1, (40, 70)).astype(np.float32)
+    three = ck.pack_amx(w, 3)
+    assert three.hi.shape == (64 // 16, 64 // 32, 16, 32) and three.lo.shape == three.hi.shape
+    assert np.all(np.abs(np.asarray(ck.unpack_amx(three, 40)) - w) <= 2.0**-17 * np.abs(w))
+    one = ck.pack_amx(w, 1)
+    assert one.lo.size == 0 and one.nbytes == three.nbytes // 2
+    np.testing.assert_array_equal(np.asarray(ck.unpack_amx(one, 40)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    with pytest.raises(ValueError, match="passes"):
+        ck.pack_amx(w, 2)
+    with pytest.raises(ValueError, match="shape"):
+        ck.pack_amx(np.ones(4))
+
+
+@amx
+def test_engine_uses_amx_for_wide_products_and_avx512_switch_turns_it_off(monkeypatch):
+    """The engine's step programs call the AMX kernel (prefill chunks over 16 tokens) where it is available,
+    and JSE_CPU_ISA=avx512 (a fresh process) keeps the skinny kernel and XLA's dot only."""
+    import os
+    import subprocess
+    import sys
+    traced = []  # row counts of the products traced into the AMX kernel
+    real = ck.amx_matmul
+    monkeypatch.setattr(ck, "amx_matmul", lambda x, p: traced.append(x.shape[0]) or real(x, p))
+    llm = LLM("tiny-llama", **LIMITS)
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([PROMPTS[3]], greedy)  # a 40-token prefill: the 64-token bucket
+    assert traced and min(traced) > 16 and 64 in traced
+    script = ("import cpu_kernels as ck\n"
+              "assert ck.available() and not ck.amx_available()\n"
+              "print('ok')\n")
+    env = {**os.environ, "JSE_CPU_ISA": "avx512", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
 # ---- paged attention ----------------------------------------------------------------------------------
 
 
