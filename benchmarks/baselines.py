@@ -16,12 +16,13 @@ def prompts_dir() -> str | None:
     return None
 
 
-def hf_setup(gguf_path: str):
+def hf_setup(gguf_path: str, dtype: str = "float32"):
+    """transformers' model of the GGUF in `dtype` ("float32", or "bfloat16": oneDNN's AMX path on CPUs with AMX)."""
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(os.cpu_count() or 1)
     d, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=getattr(torch, dtype))
     model.eval()
     return model
 

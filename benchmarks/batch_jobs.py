@@ -42,6 +42,8 @@ flags.DEFINE_integer("memory_lines", 200_000, "Lines of the memory run (tiny mod
 flags.DEFINE_bool("skip_transformers", False, "Skip the transformers baselines.")
 flags.DEFINE_bool("prefix_caching", True, "The engine's prefix cache (reset before each timed run).")
 flags.DEFINE_bool("score", True, "Run the scoring comparison.")
+flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16"], "The engine's kernel_dtype (bfloat16: one AMX pass).")
+flags.DEFINE_enum("hf_dtype", "float32", ["float32", "bfloat16"], "transformers' dtype.")
 FLAGS = flags.FLAGS
 
 DOMAINS = ("chat", "code", "creative", "math")
@@ -156,7 +158,7 @@ def main(argv):
 
     tmp = tempfile.mkdtemp(prefix="batch_bench_")
     llm = LLM(speculative=None, max_num_seqs=FLAGS.max_num_seqs, kv_cache_bytes=3 << 30,
-              enable_prefix_caching=FLAGS.prefix_caching)
+              enable_prefix_caching=FLAGS.prefix_caching, kernel_dtype=FLAGS.kernel_dtype)
     prompts = real_prompts(FLAGS.num_prompts)
     path = os.path.join(tmp, "gen.jsonl")
     with open(path, "w") as f:
@@ -180,11 +182,11 @@ def main(argv):
     rows = [("batch job (engine.batch)", job_s, n_gen), ("bare engine (add_request / step)", bare_s, n_bare)]
     hf_s = model = None
     if not FLAGS.skip_transformers:
-        model = hf_setup(default_gguf_path())
+        model = hf_setup(default_gguf_path(), FLAGS.hf_dtype)
         pad = llm.tokenizer.eos_token_ids[0]
         hf_generate_all(model, prompt_ids[:FLAGS.hf_batch], 2, pad)  # warm-up
         hf_s = hf_generate_all(model, prompt_ids, FLAGS.max_tokens, pad)
-        rows.append((f"transformers generate (batch {FLAGS.hf_batch}, left padding)", hf_s,
+        rows.append((f"transformers generate ({FLAGS.hf_dtype}, batch {FLAGS.hf_batch}, left padding)", hf_s,
                      FLAGS.max_tokens * len(prompts)))
     print("\n| generation | wall s | generated tok/s | job ÷ this |\n|---|---:|---:|---:|")
     for name, s, n in rows:
@@ -213,7 +215,7 @@ def score_table(llm, tmp: str, model) -> None:
         seqs = [llm.encode(t)[:llm.engine.max_model_len] for t in texts]
         hf_score_all(model, seqs[:2])
         hf_score = hf_score_all(model, seqs)
-        print(f"| transformers forward (batch 1) | {hf_score:.1f} | {ssum.scored_tokens / hf_score:.0f} |")
+        print(f"| transformers forward ({FLAGS.hf_dtype}, batch 1) | {hf_score:.1f} | {ssum.scored_tokens / hf_score:.0f} |")
         print(f"\nscoring vs transformers: {hf_score / score_s:.2f}x (target >= 1.5x)")
 
 

@@ -194,7 +194,7 @@ def test_pack_amx_round_trip_and_bad_input():
     """hi + lo keep W to 2**-17 relative (3 passes); 1 pass is W rounded to bf16 exactly."""
     w = np.random.default_rng(0).normal(0, 1, (40, 70)).astype(np.float32)
     three = ck.pack_amx(w, 3)
-    assert three.hi.shape == (64 // 16, 64 // 32, 16, 32) and three.lo.shape == three.hi.shape
+    assert three.hi.shape == (96 // 16, 64 // 32, 16, 32) and three.lo.shape == three.hi.shape  # K, N padded to 32s
     assert np.all(np.abs(np.asarray(ck.unpack_amx(three, 40)) - w) <= 2.0**-17 * np.abs(w))
     one = ck.pack_amx(w, 1)
     assert one.lo.size == 0 and one.nbytes == three.nbytes // 2
