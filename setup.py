@@ -15,7 +15,8 @@ _FFI_INCLUDE = os.path.join(os.path.dirname(jaxlib.__file__), "include")
 
 setup(ext_modules=[Extension(
     "cpu_kernels._native",
-    sources=["cpu_kernels/skinny_matmul.cc", "cpu_kernels/paged_attention.cc", "cpu_kernels/amx_matmul.cc"],
+    sources=["cpu_kernels/skinny_matmul.cc", "cpu_kernels/paged_attention.cc", "cpu_kernels/amx_matmul.cc",
+             "cpu_kernels/log_softmax.cc"],
     include_dirs=[_FFI_INCLUDE],
     language="c++",
     extra_compile_args=["-O3", "-std=c++17", "-w"],

@@ -12,9 +12,14 @@ accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
 `amx_matmul(x, w)`: the same product for many rows (prefill chunks, scoring,
 large decode batches) on Intel AMX tiles, with W packed once by `pack_amx(w,
 passes)` into bf16 tiles (`AmxWeight`); 3 passes keep close to fp32 (the
-bf16x3 split), 1 pass is a bf16 product (`amx_matmul.cc`).
+bf16x3 split), 1 pass is a bf16 product (`amx_matmul.cc`); `amx_head_log_softmax`
+fuses the output head with scoring's reduction.
 `amx_matmul_reference` is its plain-jnp reference. `amx_available()` says
 whether this CPU and OS allow AMX.
+
+`log_softmax_gather(logits, targets)`: scoring's per-row reduction, each
+target's log-probability and each row's argmax, in one threaded pass over the
+rows (`log_softmax.cc`; AVX-512 only, `log_softmax_gather_reference` else).
 
 `paged_attention(...)`: ragged paged attention with the contract of
 `pallas_kernels.reference.ragged_paged_attention_reference` (its reference),
@@ -48,6 +53,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _TARGET = "jse_skinny_matmul"
 _ATTENTION_TARGET = "jse_paged_attention"
 _AMX_TARGET = "jse_amx_matmul"
+_LOG_SOFTMAX_TARGET = "jse_log_softmax_gather"
+_AMX_HEAD_TARGET = "jse_amx_head_log_softmax"
 AMX_TILE_K = 32  # bf16 elements of k per AMX tile row
 AMX_BLOCK = 32  # output columns (and rows) per 2 x 2 block of AMX C tiles
 _DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}
@@ -190,6 +197,38 @@ def amx_matmul(x: jax.Array, p: AmxWeight) -> jax.Array:
     return call(x.astype(jnp.float32), p.hi, lo)
 
 
+def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`log_softmax_gather(amx_matmul(x, p), targets)` without writing the `[T, N]` logits: the AMX product
+    reduced per row as its column blocks are made (float32 `[T]` log-probabilities of int32 `targets` `[T]`,
+    int32 `[T]` argmax). Requires `amx_available()`; a target outside [0, N) raises at run time."""
+    if not amx_available():
+        raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
+    T = x.shape[0]
+    lo = p.lo if p.lo.size else jnp.zeros(0, jnp.bfloat16)
+    call = jax.ffi.ffi_call(_AMX_HEAD_TARGET, (jax.ShapeDtypeStruct((T,), jnp.float32),
+                                               jax.ShapeDtypeStruct((T,), jnp.int32)))
+    return tuple(call(x.astype(jnp.float32), p.hi, lo, targets.astype(jnp.int32), n=np.int64(p.n)))
+
+
+def log_softmax_gather_reference(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 `[T]` log-softmax of `logits` `[T, V]` at int32 `targets` `[T]`, and int32 `[T]` argmax per row
+    (the lowest index among equal maxima)."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def log_softmax_gather(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`log_softmax_gather_reference` in the native kernel; requires `cpu_features() == "avx512"`. A target outside
+    [0, V) raises at run time."""
+    if cpu_features() != "avx512":
+        raise RuntimeError("log_softmax_gather needs the kernel library on an AVX-512 CPU")
+    T = logits.shape[0]
+    call = jax.ffi.ffi_call(_LOG_SOFTMAX_TARGET, (jax.ShapeDtypeStruct((T,), jnp.float32),
+                                                  jax.ShapeDtypeStruct((T,), jnp.int32)))
+    return tuple(call(logits.astype(jnp.float32), targets.astype(jnp.int32)))
+
+
 def paged_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_attention` takes these head shapes (at most 16 query heads per KV head, D % 8 == 0, D <= 256)."""
     return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and head_dim % 8 == 0 and head_dim <= 256
@@ -230,6 +269,8 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JseSkinnyMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JsePagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(_AMX_TARGET, jax.ffi.pycapsule(lib.JseAmxMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_AMX_HEAD_TARGET, jax.ffi.pycapsule(lib.JseAmxHeadLogSoftmax), platform="cpu")
+    jax.ffi.register_ffi_target(_LOG_SOFTMAX_TARGET, jax.ffi.pycapsule(lib.JseLogSoftmaxGather), platform="cpu")
     return lib
 
 

@@ -24,8 +24,12 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+#include <limits>
 #include <memory>
+#include <vector>
 
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -68,44 +72,61 @@ bool amx_usable() {
 
 const bool kAmx = amx_usable();
 
-// x [T, K] f32 -> hi (and lo) [Mp, Kp] bf16, rows [row_begin, row_end); padding stays zero (the caller zeroes).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void split_rows(const float* x, int64_t K, int64_t Kp,
-                                                                         uint16_t* hi, uint16_t* lo,
-                                                                         int64_t row_begin, int64_t row_end) {
+// x [T, K] f32 -> hi (and lo) [Mp, Kp] bf16, rows [row_begin, row_end) (rows past T and columns past K: zeros).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void split_rows(const float* x, int64_t T, int64_t K,
+                                                                                int64_t Kp, uint16_t* hi, uint16_t* lo,
+                                                                                int64_t row_begin, int64_t row_end) {
   for (int64_t t = row_begin; t < row_end; ++t) {
-    const float* src = x + t * K;
-    for (int64_t k = 0; k < K; k += 16) {
-      const int64_t n = std::min<int64_t>(16, K - k);
+    const float* src = x + std::min(t, T - 1) * K;
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const int64_t n = t < T ? std::clamp<int64_t>(K - k, 0, 16) : 0;
       const __mmask16 m = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
       const __m512 v = _mm512_maskz_loadu_ps(m, src + k);
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-      _mm256_mask_storeu_epi16(hi + t * Kp + k, m, h);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t * Kp + k), h);
       if (lo != nullptr) {
         const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_mask_storeu_epi16(lo + t * Kp + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t * Kp + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
       }
     }
   }
 }
 
+// Where a block of C goes: stored into y [T, N], or (the scoring head) reduced per row over the vocabulary.
+struct Reduce {
+  const int32_t* targets;  // [T]
+  float* target_logit;     // [T]: written by the group holding each row's target column
+  float* max;              // [groups, T]: per group, each row's max logit ...
+  int32_t* arg;            // ... its lowest column ...
+  float* sum;              // ... and the sum of exp(logit - max) over the group's columns
+};
+
 struct Operands {
   const uint16_t *a_hi, *a_lo;  // [Mp, Kp]
   const uint16_t *b_hi, *b_lo;  // [Np / 16, Kp / 32, 16, 32]
-  float* y;                     // [T, N]
+  float* y;                     // [T, N], or null with `reduce`
+  const Reduce* reduce;
   int64_t T, N, Mp, Kp;
 };
 
-// C tiles 0-3 (rows 0-15 / 16-31 x columns 0-15 / 16-31), A tiles 4-5, B tiles 6-7.
-__attribute__((target("amx-tile,amx-bf16"))) void run_blocks(const Operands& o, int64_t nb_begin, int64_t nb_end) {
+constexpr int64_t kMaxGroup = 8;  // column blocks per work item
+
+// C tiles 0-3 (rows 0-15 / 16-31 x columns 0-15 / 16-31), A tiles 4-5, B tiles 6-7. Column blocks
+// [nb_begin, nb_end) are work item `g`.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void run_blocks(const Operands& o, int64_t nb_begin,
+                                                                      int64_t nb_end, int64_t g) {
   TileConfig cfg{};
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
   const int64_t chunks = o.Kp / kTileK, panel = chunks * kTileElems, lda = o.Kp * 2;
-  alignas(64) float tmp[kBlock * kBlock];
+  const int64_t width = kBlock * (nb_end - nb_begin), ldt = kBlock * kMaxGroup;
+  static thread_local float tmp[kBlock * kBlock * kMaxGroup];  // a row block x the group's columns
   // Rows outer, the group's column blocks inner: its B tiles stay in L2 and y is written a row segment of
   // the whole group at a time (a wide y, the output head's, otherwise costs a TLB miss per tile row).
   for (int64_t row = 0; row < o.Mp; row += kBlock) {
+    const int64_t nrows = std::min(kBlock, o.T - row);
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       const uint16_t* b0 = o.b_hi + 2 * nb * panel;
       const uint16_t* l0 = o.b_lo ? o.b_lo + 2 * nb * panel : nullptr;
@@ -142,21 +163,38 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_blocks(const Operands& o, 
           _tile_dpbf16ps(3, 5, 7);
         }
       }
-      const int64_t nrows = std::min(kBlock, o.T - row);
-      if (nrows == kBlock && ncols == kBlock) {
+      if (o.reduce == nullptr && nrows == kBlock && ncols == kBlock) {
         float* dst = o.y + row * o.N + col;
         const int64_t ldy = o.N * 4;
         _tile_stored(0, dst, ldy);
         _tile_stored(1, dst + 16, ldy);
         _tile_stored(2, dst + 16 * o.N, ldy);
         _tile_stored(3, dst + 16 * o.N + 16, ldy);
-      } else {
-        _tile_stored(0, tmp, kBlock * 4);
-        _tile_stored(1, tmp + 16, kBlock * 4);
-        _tile_stored(2, tmp + 16 * kBlock, kBlock * 4);
-        _tile_stored(3, tmp + 16 * kBlock + 16, kBlock * 4);
+        continue;
+      }
+      float* t0 = tmp + (nb - nb_begin) * kBlock;
+      _tile_stored(0, t0, ldt * 4);
+      _tile_stored(1, t0 + 16, ldt * 4);
+      _tile_stored(2, t0 + 16 * ldt, ldt * 4);
+      _tile_stored(3, t0 + 16 * ldt + 16, ldt * 4);
+      if (o.reduce == nullptr)
         for (int64_t r = 0; r < nrows; ++r)
-          std::memcpy(o.y + (row + r) * o.N + col, tmp + r * kBlock, ncols * sizeof(float));
+          std::memcpy(o.y + (row + r) * o.N + col, t0 + r * ldt, ncols * sizeof(float));
+    }
+    if (o.reduce != nullptr) {
+      const Reduce& rd = *o.reduce;
+      const int64_t col0 = nb_begin * kBlock, n = std::min(width, o.N - col0);
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t t = row + r;
+        const float* l = tmp + r * ldt;
+        float m;
+        int32_t arg;
+        jse::row_max(l, n, &m, &arg);
+        rd.max[g * o.T + t] = m;
+        rd.arg[g * o.T + t] = static_cast<int32_t>(col0) + arg;
+        rd.sum[g * o.T + t] = jse::row_sum_exp(l, n, m);
+        const int64_t target = rd.targets[t] - col0;
+        if (target >= 0 && target < n) rd.target_logit[t] = l[target];
       }
     }
   }
@@ -164,57 +202,123 @@ __attribute__((target("amx-tile,amx-bf16"))) void run_blocks(const Operands& o, 
 }
 
 struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  std::atomic<int64_t> next_rows{0}, rows_done{0};  // phase 1: x split into bf16, by row blocks
+  std::atomic<int64_t> next{0}, done{0};            // phase 2: column groups
 };
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
-ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w_hi,
-                         ffi::Buffer<ffi::BF16> w_lo, ffi::ResultBuffer<ffi::F32> y) {
-  if (!kAmx) return ffi::Error::InvalidArgument("amx matmul: this CPU (or OS) does not allow AMX-BF16");
-  auto xd = x.dimensions(), wd = w_hi.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[2] != 16 || wd[3] != kTileK)
-    return ffi::Error::InvalidArgument("amx matmul: want x [T, K], w [Np/16, Kp/32, 16, 32], y [T, N]");
-  const int64_t T = xd[0], K = xd[1], N = yd[1], Np = wd[0] * 16, Kp = wd[1] * kTileK;
-  if (yd[0] != T || Np % kBlock != 0 || N > Np || N <= Np - kBlock || K > Kp || K <= Kp - kTileK)
-    return ffi::Error::InvalidArgument("amx matmul: shapes of x, w and y disagree");
-  const bool three = w_lo.element_count() != 0;
-  if (three && w_lo.element_count() != w_hi.element_count())
-    return ffi::Error::InvalidArgument("amx matmul: w_lo must be empty or shaped as w_hi");
-  if (T == 0 || N == 0) return ffi::Error::Success();
+// The product (or the fused head reduction) with x split into bf16 first. Work sharing as in
+// skinny_matmul.cc: the caller takes items too and waits for all; helpers hold `shared` alive and touch the
+// operands only after taking an item, which the caller waits for.
+ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const uint16_t* w_hi,
+               const uint16_t* w_lo, int64_t Kp, int64_t N, float* y, Reduce* reduce) {
   const int64_t Mp = (T + kBlock - 1) / kBlock * kBlock;
   const size_t plane = static_cast<size_t>(Mp * Kp);
-  std::unique_ptr<uint16_t, FreeDeleter> a(
-      static_cast<uint16_t*>(std::aligned_alloc(64, (three ? 2 : 1) * plane * sizeof(uint16_t))));
-  if (!a) return ffi::Error::Internal("amx matmul: out of memory for the bf16 copy of x");
-  uint16_t* a_hi = a.get();
-  uint16_t* a_lo = three ? a_hi + plane : nullptr;
-  if (K != Kp || Mp != T) std::memset(a_hi, 0, (three ? 2 : 1) * plane * sizeof(uint16_t));
-  split_rows(x.typed_data(), K, Kp, a_hi, a_lo, 0, T);
-  const Operands o{a_hi, a_lo, reinterpret_cast<const uint16_t*>(w_hi.typed_data()),
-                   three ? reinterpret_cast<const uint16_t*>(w_lo.typed_data()) : nullptr, y->typed_data(), T, N, Mp,
-                   Kp};
-  // Work sharing over column blocks, as in skinny_matmul.cc: the caller takes blocks too and waits for all.
+  static thread_local std::vector<uint16_t> scratch;  // the caller's, kept: a fresh buffer costs page faults
+  if (scratch.size() < (w_lo ? 2 : 1) * plane) scratch.resize((w_lo ? 2 : 1) * plane);
+  uint16_t* a_hi = scratch.data();
+  uint16_t* a_lo = w_lo ? a_hi + plane : nullptr;
+  const Operands o{a_hi, a_lo, w_hi, w_lo, y, reduce, T, N, Mp, Kp};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
   // Groups of up to 8 column blocks (256 columns: 8 x 32 x Kp x 2 bytes of B per pass, in L2), at least 4
   // groups per thread where the width allows, for balance.
-  const int64_t blocks = (N + kBlock - 1) / kBlock, threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t group = std::clamp<int64_t>(blocks / (4 * threads), 1, 8);
+  const int64_t group = std::clamp<int64_t>(blocks / (4 * threads), 1, kMaxGroup);
   const int64_t groups = (blocks + group - 1) / group;
+  const int64_t row_items = Mp / kBlock;
   auto shared = std::make_shared<Shared>();
-  auto work = [shared, &o, blocks, group, groups] {
-    for (int64_t g; (g = shared->next.fetch_add(1)) < groups;) {
-      run_blocks(o, g * group, std::min(blocks, (g + 1) * group));
-      shared->done.fetch_add(1, std::memory_order_release);
+  auto work = [shared, &o, x, K, blocks, group, groups, row_items] {
+    Shared& s = *shared;
+    for (int64_t i; (i = s.next_rows.fetch_add(1)) < row_items;) {
+      split_rows(x, o.T, K, o.Kp, const_cast<uint16_t*>(o.a_hi), const_cast<uint16_t*>(o.a_lo), i * kBlock,
+                 (i + 1) * kBlock);
+      s.rows_done.fetch_add(1, std::memory_order_release);
+    }
+    if (s.next.load() >= groups) return;  // a helper that starts late
+    while (s.rows_done.load(std::memory_order_acquire) < row_items) _mm_pause();
+    for (int64_t g; (g = s.next.fetch_add(1)) < groups;) {
+      run_blocks(o, g * group, std::min(blocks, (g + 1) * group), g);
+      s.done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min(threads, groups) - 1;
-  // Helpers hold `shared` alive; they read `o` only after taking a group, which the caller waits for.
+  const int64_t helpers = std::min(threads, std::max(groups, row_items)) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work] { work(); });
   work();
   while (shared->done.load(std::memory_order_acquire) < groups) _mm_pause();
+  return ffi::Error::Success();
+}
+
+int64_t Groups(ffi::ThreadPool& pool, int64_t N) {  // as Run chooses them
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), blocks = (N + kBlock - 1) / kBlock;
+  const int64_t group = std::clamp<int64_t>(blocks / (4 * threads), 1, kMaxGroup);
+  return (blocks + group - 1) / group;
+}
+
+// Checks x [T, K], w [Np/16, Kp/32, 16, 32] (and w_lo: empty or the same) against N; sets Kp.
+ffi::Error CheckShapes(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::BF16>& w_hi, ffi::Buffer<ffi::BF16>& w_lo,
+                       int64_t N, int64_t& kp) {
+  if (!kAmx) return ffi::Error::InvalidArgument("amx matmul: this CPU (or OS) does not allow AMX-BF16");
+  auto xd = x.dimensions(), wd = w_hi.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != 16 || wd[3] != kTileK)
+    return ffi::Error::InvalidArgument("amx matmul: want x [T, K], w [Np/16, Kp/32, 16, 32]");
+  const int64_t K = xd[1], Np = wd[0] * 16, Kp = wd[1] * kTileK;
+  if (Np % kBlock != 0 || N > Np || N <= Np - kBlock || K > Kp || K <= Kp - kTileK)
+    return ffi::Error::InvalidArgument("amx matmul: shapes of x, w and y disagree");
+  if (w_lo.element_count() != 0 && w_lo.element_count() != w_hi.element_count())
+    return ffi::Error::InvalidArgument("amx matmul: w_lo must be empty or shaped as w_hi");
+  kp = Kp;
+  return ffi::Error::Success();
+}
+
+const uint16_t* Bits(ffi::Buffer<ffi::BF16>& w) {
+  return w.element_count() ? reinterpret_cast<const uint16_t*>(w.typed_data()) : nullptr;
+}
+
+ffi::Error AmxMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w_hi,
+                         ffi::Buffer<ffi::BF16> w_lo, ffi::ResultBuffer<ffi::F32> y) {
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || x.dimensions().size() != 2 || yd[0] != x.dimensions()[0])
+    return ffi::Error::InvalidArgument("amx matmul: want y [T, N] for x [T, K]");
+  const int64_t T = yd[0], N = yd[1];
+  int64_t kp;
+  if (auto err = CheckShapes(x, w_hi, w_lo, N, kp); err.failure()) return err;
+  if (T == 0 || N == 0) return ffi::Error::Success();
+  return Run(pool, x.typed_data(), T, x.dimensions()[1], Bits(w_hi), Bits(w_lo), kp, N, y->typed_data(),
+             nullptr);
+}
+
+// The output head fused with scoring's reduction: logprob[t] = (x W)[t, targets[t]] - logsumexp((x W)[t, :N])
+// and argmax[t] (lowest index), without writing the [T, N] logits.
+ffi::Error AmxHeadLogSoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w_hi,
+                                 ffi::Buffer<ffi::BF16> w_lo, ffi::Buffer<ffi::S32> targets, int64_t n,
+                                 ffi::ResultBuffer<ffi::F32> logprob, ffi::ResultBuffer<ffi::S32> argmax) {
+  if (x.dimensions().size() != 2) return ffi::Error::InvalidArgument("amx head: want x [T, K]");
+  const int64_t T = x.dimensions()[0];
+  if (targets.element_count() != T || logprob->element_count() != T || argmax->element_count() != T)
+    return ffi::Error::InvalidArgument("amx head: targets, logprob and argmax must be [T]");
+  int64_t kp;
+  if (auto err = CheckShapes(x, w_hi, w_lo, n, kp); err.failure()) return err;
+  const int32_t* tg = targets.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    if (tg[t] < 0 || tg[t] >= n) return ffi::Error::InvalidArgument("amx head: target id out of range");
+  if (T == 0 || n == 0) return ffi::Error::Success();
+  const int64_t groups = Groups(pool, n);
+  std::vector<float> target_logit(T), max(groups * T), sum(groups * T);
+  std::vector<int32_t> arg(groups * T);
+  Reduce rd{tg, target_logit.data(), max.data(), arg.data(), sum.data()};
+  auto err = Run(pool, x.typed_data(), T, x.dimensions()[1], Bits(w_hi), Bits(w_lo), kp, n, nullptr, &rd);
+  if (err.failure()) return err;
+  float* lp = logprob->typed_data();
+  int32_t* am = argmax->typed_data();
+  for (int64_t t = 0; t < T; ++t) {  // merge the groups (in column order: the first maximum is the lowest index)
+    float m = -std::numeric_limits<float>::infinity();
+    int32_t a = 0;
+    for (int64_t g = 0; g < groups; ++g)
+      if (max[g * T + t] > m) m = max[g * T + t], a = arg[g * T + t];
+    double s = 0;
+    for (int64_t g = 0; g < groups; ++g) s += sum[g * T + t] * std::exp(double(max[g * T + t]) - m);
+    lp[t] = target_logit[t] - (m + static_cast<float>(std::log(s)));
+    am[t] = a;
+  }
   return ffi::Error::Success();
 }
 
@@ -227,6 +331,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JseAmxMatmul, AmxMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w_hi [Np/16, Kp/32, 16, 32]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w_lo: the same shape (3 passes) or [0] (1 pass)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [T, N]
+);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JseAmxHeadLogSoftmax, AmxHeadLogSoftmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [T, K]: final hidden states
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_hi: the head [K, N] in AMX tiles
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_lo
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // targets [T]
+                                  .Attr<int64_t>("n")             // N, the vocabulary
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // logprob [T]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // argmax [T]
 );
 
 extern "C" int jse_amx_available() { return kAmx ? 1 : 0; }

@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -47,16 +46,15 @@ def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
     `targets` int32 `[T]` is the token following each position of
     `batch.token_ids`; `logprobs` is its log-probability under the raw
     log-softmax of that position's logits and `greedy` whether it is their
-    argmax. The pool is donated.
+    argmax (`Llama.target_logprobs`: native kernels on CPU).
+    The pool is donated.
     """
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def score_step(state, pool: KVPool, batch: StepBatch, targets: jax.Array):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attention), pool)
-        logits = model.logits(hidden)  # [T, V]
-        chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
-        greedy = jnp.argmax(logits, axis=-1) == targets
-        return chosen - jax.nn.logsumexp(logits, axis=-1), greedy, pool
+        logprobs, argmax = model.target_logprobs(hidden, targets)
+        return logprobs, argmax == targets, pool
 
     return score_step

@@ -320,6 +320,19 @@ class Llama(nnx.Module):
             out = hidden @ self.lm_head[...]
         return out.astype(jnp.float32)
 
+    def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Scoring: float32 `[N]` log-softmax of the logits of hidden states `[N, E]` at int32 `targets` `[N]`,
+        and int32 `[N]` argmax of each row. On the AMX path (full vocabulary) the head and the reduction are
+        one kernel that never writes the `[N, V]` logits; else `logits` then `cpu_kernels.log_softmax_gather`
+        (AVX-512) or its jnp reference."""
+        amx = self._amx(self, "head")
+        if amx is not None and not self.cfg.head_vocab_size and not self._skinny(hidden):
+            return cpu_kernels.amx_head_log_softmax(hidden, amx, targets)
+        logits = self.logits(hidden)
+        native = jax.default_backend() == "cpu" and cpu_kernels.cpu_features() == "avx512"
+        reduce = cpu_kernels.log_softmax_gather if native else cpu_kernels.log_softmax_gather_reference
+        return reduce(logits, targets)
+
     def dense_logits(self, token_ids: jax.Array) -> jax.Array:
         """Unpaged causal forward of a padded batch `[S, Lq]` -> float32 logits `[S, Lq, V]`.
 

@@ -227,6 +227,53 @@ def test_engine_uses_amx_for_wide_products_and_avx512_switch_turns_it_off(monkey
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+# ---- scoring's log-softmax reduction --------------------------------------------------------------------
+
+
+@pytest.mark.skipif(ck.cpu_features() != "avx512", reason="the kernel is AVX-512 only")
+@pytest.mark.parametrize("T,V", [(1, 5), (7, 16), (33, 1003), (64, 49152)])
+def test_log_softmax_gather_equals_reference(T, V):
+    """Target log-probabilities within 2e-6 of jax.nn.logsumexp's, and the argmax exactly, ties (small
+    integer logits) going to the lowest index and rows of -1e30 (a partial head's masked tokens) included."""
+    rng = np.random.default_rng(T * V)
+    logits = rng.normal(0, 4, (T, V)).astype(np.float32)
+    logits[::3] = rng.integers(-2, 3, (len(logits[::3]), V))  # many ties at the max
+    logits[1::4, : V // 2] = -1e30
+    targets = rng.integers(0, V, T).astype(np.int32)
+    got_lp, got_am = jax.jit(ck.log_softmax_gather)(jnp.asarray(logits), jnp.asarray(targets))
+    want_lp, want_am = ck.log_softmax_gather_reference(jnp.asarray(logits), jnp.asarray(targets))
+    np.testing.assert_array_equal(np.asarray(got_am), np.asarray(want_am))
+    finite = np.asarray(want_lp) > -1e29
+    np.testing.assert_allclose(np.asarray(got_lp)[finite], np.asarray(want_lp)[finite], rtol=2e-6, atol=2e-6)
+    assert np.all(np.asarray(got_lp)[~finite] < -1e29)
+
+
+@amx
+@pytest.mark.parametrize("T,N,passes", [(17, 100, 3), (64, 2000, 3), (40, 49152, 1)])
+def test_amx_head_log_softmax_equals_the_unfused_pair(T, N, passes):
+    """The fused head + reduction equals the AMX product followed by the reduction kernel: the argmax exactly
+    (the same logits, bitwise), the log-probabilities within 2e-6 (the vocabulary is summed in groups),
+    ties and a target in every column group included."""
+    rng = np.random.default_rng(N)
+    x = jnp.asarray(rng.normal(0, 1, (T, 576)).astype(np.float32))
+    w = rng.normal(0, 0.05, (576, N)).astype(np.float32)
+    w[:, 7] = w[:, 3]  # a tie for the argmax in rows where column 3 wins
+    p = ck.pack_amx(w, passes)
+    targets = jnp.asarray(np.linspace(0, N - 1, T).astype(np.int32))
+    got_lp, got_am = jax.jit(ck.amx_head_log_softmax)(x, p, targets)
+    want_lp, want_am = jax.jit(lambda x, p, t: ck.log_softmax_gather(ck.amx_matmul(x, p), t))(x, p, targets)
+    np.testing.assert_array_equal(np.asarray(got_am), np.asarray(want_am))
+    np.testing.assert_allclose(np.asarray(got_lp), np.asarray(want_lp), rtol=2e-6, atol=2e-6)
+    with pytest.raises(Exception, match="target id out of range"):
+        np.asarray(jax.jit(ck.amx_head_log_softmax)(x, p, targets.at[0].set(N)))
+
+
+@pytest.mark.skipif(ck.cpu_features() != "avx512", reason="the kernel is AVX-512 only")
+def test_log_softmax_gather_rejects_out_of_range_targets():
+    with pytest.raises(Exception, match="target id out of range"):
+        np.asarray(jax.jit(ck.log_softmax_gather)(jnp.zeros((2, 8)), jnp.asarray([1, 8], jnp.int32)))
+
+
 # ---- paged attention ----------------------------------------------------------------------------------
 
 
