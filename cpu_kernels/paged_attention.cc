@@ -22,8 +22,11 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
+#include "vector_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -34,7 +37,16 @@ constexpr int64_t kTile = 32;   // context positions per online-softmax step (a 
 constexpr int64_t kTileQ = 4;   // query tokens of one sequence per work item
 constexpr int64_t kMaxG = 16;   // query heads per KV head
 constexpr int64_t kMaxD = 256;  // head dim
-constexpr int64_t kMaxRows = kTileQ * kMaxG;
+constexpr int64_t kTileQLong = 16;  // ... for runs of at least 2 x 16 query tokens (prefill chunks), on AVX-512
+constexpr int64_t kMaxRows = kTileQLong * kMaxG;
+
+// JSE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 path (as in skinny_matmul.cc).
+bool avx512_usable() {
+  __builtin_cpu_init();
+  const char* isa = std::getenv("JSE_CPU_ISA");
+  return __builtin_cpu_supports("avx512f") && !(isa != nullptr && std::strcmp(isa, "avx2") == 0);
+}
+const bool kAvx512 = avx512_usable();
 
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -167,6 +179,124 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
   }
 }
 
+// ---- AVX-512, for work items of many rows (prefill chunks): K transposed per tile, so the scores of 8 rows
+// x 32 positions are 16 accumulators fed by broadcasts of q (no horizontal sums), and P V runs 4 rows x 64
+// columns of V at a time. The online softmax is the same as above.
+
+__attribute__((target("avx512f"))) inline float to_f32(float x) { return x; }
+__attribute__((target("avx512f"))) inline float to_f32(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <int RB>
+__attribute__((target("avx512f"))) void scores_512(const float* const* q, const float* kT, int64_t D, float scale,
+                                                   float (*s)[kTile]) {
+  static_assert(kTile == 32, "two vectors of positions");
+  __m512 a0[RB], a1[RB];
+  for (int r = 0; r < RB; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_load_ps(kT + d * kTile), k1 = _mm512_load_ps(kT + d * kTile + 16);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r][d]);
+      a0[r] = _mm512_fmadd_ps(qv, k0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(qv, k1, a1[r]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < RB; ++r) {
+    _mm512_store_ps(s[r], _mm512_mul_ps(a0[r], sc));
+    _mm512_store_ps(s[r] + 16, _mm512_mul_ps(a1[r], sc));
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_{jj < n} p[r][jj] v[jj], for RB rows.
+template <int RB>
+__attribute__((target("avx512f"))) void pv_512(const float (*p)[kTile], int64_t n, const float* vbuf, int64_t D,
+                                               float (*acc)[kMaxD], const float* corr) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nd = std::min<int64_t>(4, (D - d0) / 16);
+    __m512 o[RB][4];
+    for (int r = 0; r < RB; ++r)
+      for (int64_t d = 0; d < nd; ++d) o[r][d] = _mm512_mul_ps(_mm512_load_ps(acc[r] + d0 + 16 * d), _mm512_set1_ps(corr[r]));
+    for (int64_t jj = 0; jj < n; ++jj) {
+      __m512 v[4];
+      for (int64_t d = 0; d < nd; ++d) v[d] = _mm512_load_ps(vbuf + jj * D + d0 + 16 * d);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 pr = _mm512_set1_ps(p[r][jj]);
+        for (int64_t d = 0; d < nd; ++d) o[r][d] = _mm512_fmadd_ps(pr, v[d], o[r][d]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int64_t d = 0; d < nd; ++d) _mm512_store_ps(acc[r] + d0 + 16 * d, o[r][d]);
+  }
+}
+
+using ScoresFn = void (*)(const float* const*, const float*, int64_t, float, float (*)[kTile]);
+using PvFn = void (*)(const float (*)[kTile], int64_t, const float*, int64_t, float (*)[kMaxD], const float*);
+constexpr ScoresFn kScores[8] = {&scores_512<1>, &scores_512<2>, &scores_512<3>, &scores_512<4>,
+                                 &scores_512<5>, &scores_512<6>, &scores_512<7>, &scores_512<8>};
+constexpr PvFn kPv[4] = {&pv_512<1>, &pv_512<2>, &pv_512<3>, &pv_512<4>};
+
+// Requires D % 16 == 0.
+template <typename KV>
+__attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& R, const KV* k_layer,
+                                                   const KV* v_layer, const int32_t* table, int64_t kh) {
+  const int64_t D = L.D, row = L.Kh * D;
+  alignas(64) static thread_local float kT[kMaxD * kTile], vbuf[kTile * kMaxD];
+  alignas(64) static thread_local float s[kMaxRows][kTile], acc[kMaxRows][kMaxD];
+  float m[kMaxRows], l[kMaxRows], corr[kMaxRows];
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R.n; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.f;
+    std::fill(acc[r], acc[r] + D, 0.f);
+    longest = std::max(longest, R.limit[r]);
+  }
+  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+    const int64_t n = std::min(kTile, longest - j0);
+    for (int64_t jj = 0; jj < kTile; ++jj) {
+      if (jj >= n) {
+        for (int64_t d = 0; d < D; ++d) kT[d * kTile + jj] = 0.f;
+        continue;
+      }
+      const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
+      const KV* kp = k_layer + slot * row + kh * D;
+      const KV* vp = v_layer + slot * row + kh * D;
+      for (int64_t d = 0; d < D; ++d) kT[d * kTile + jj] = to_f32(kp[d]);
+      for (int64_t d = 0; d < D; ++d) vbuf[jj * D + d] = to_f32(vp[d]);
+    }
+    for (int64_t r0 = 0; r0 < R.n; r0 += 8) kScores[std::min<int64_t>(8, R.n - r0) - 1](R.q + r0, kT, D, L.scale, s + r0);
+    for (int64_t r = 0; r < R.n; ++r) {
+      const int64_t valid = std::min(n, R.limit[r] - j0);
+      if (valid <= 0) {  // no context left for this row: nothing added, nothing rescaled
+        std::fill(s[r], s[r] + kTile, 0.f);
+        corr[r] = 1.f;
+        continue;
+      }
+      const __mmask16 k0 = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
+      const __mmask16 k1 = static_cast<__mmask16>(valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (1u << (valid - 16)) - 1);
+      const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      const __m512 s0 = _mm512_mask_load_ps(neg_inf, k0, s[r]), s1 = _mm512_mask_load_ps(neg_inf, k1, s[r] + 16);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, jse::exp512(_mm512_sub_ps(s0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, jse::exp512(_mm512_sub_ps(s1, mv)));
+      _mm512_store_ps(s[r], p0);
+      _mm512_store_ps(s[r] + 16, p1);
+      corr[r] = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      m[r] = m_new;
+    }
+    for (int64_t r0 = 0; r0 < R.n; r0 += 4) kPv[std::min<int64_t>(4, R.n - r0) - 1](s + r0, n, vbuf, D, acc + r0, corr + r0);
+  }
+  for (int64_t r = 0; r < R.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(R.out[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
+  }
+}
+
 // Everything a helper thread touches; shared-owned, so a helper that starts after the call returned only
 // finds no work left.
 template <typename KV>
@@ -194,7 +324,11 @@ struct Job {
         const int64_t at = ((t.first + ti) * L.H + kh * L.G + g) * L.D;
         R.q[R.n] = q + at, R.out[R.n] = out + at, R.limit[R.n] = t.ctx0 + ti + 1;
       }
-    attend<KV>(L, R, k_layer, v_layer, tables + static_cast<int64_t>(t.seq) * L.max_blocks, kh);
+    const int32_t* table = tables + static_cast<int64_t>(t.seq) * L.max_blocks;
+    if (t.count > kTileQ)  // a long tile: AVX-512 (see Run)
+      attend_512<KV>(L, R, k_layer, v_layer, table, kh);
+    else
+      attend<KV>(L, R, k_layer, v_layer, table, kh);
   }
   void loop() {
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
@@ -221,8 +355,11 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
     for (int64_t i = 0; i < (len + L.B - 1) / L.B; ++i)
       if (tables[s * L.max_blocks + i] < 0 || tables[s * L.max_blocks + i] >= L.P)
         return ffi::Error::InvalidArgument("paged attention: block table entry out of range");
-    for (int64_t t = a; t < b; t += kTileQ) {
-      const int64_t count = std::min(kTileQ, b - t);
+    // Long query runs (prefill chunks) take tiles of 16 tokens on the AVX-512 path: many rows share each
+    // K/V tile. Short ones (decode, verify windows) keep tiles of 4 and the AVX2 path.
+    const int64_t tile_q = kAvx512 && L.D % 16 == 0 && n >= 2 * kTileQLong ? kTileQLong : kTileQ;
+    for (int64_t t = a; t < b; t += tile_q) {
+      const int64_t count = std::min(tile_q, b - t);
       job->tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), static_cast<int32_t>(count),
                             len - n + (t - a)});
     }

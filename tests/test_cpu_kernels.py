@@ -293,6 +293,18 @@ def test_paged_attention_equals_reference_inside_jit(case, D):
     assert np.all(got[int(qsl[-1]):] == 0)  # padding tokens
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_attention_long_chunks_equal_reference(dtype, D):
+    """Prefill chunks (runs of 32+ query tokens: 16-token tiles, the AVX-512 path on AVX-512 CPUs) after a
+    cached context, beside decode and verify rows and a padding token, SmolLM2's GQA (9 heads over 3)."""
+    args = make_batch(7, [300, 1, 5, 64], [812, 20, 40, 64], heads=9, kv_heads=3, head_dim=D, block_size=16,
+                      pad_tokens=1, dtype=dtype)
+    got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)), np.float32)
+    want = np.asarray(ragged_paged_attention_reference(*args, 1), np.float32)
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_paged_attention_rejects_out_of_range_tables():
     """A block id past the pool raises instead of reading outside it."""
     q, k, v, bt, sl, qsl = make_batch(0, [1, 2], [20, 9], heads=4, kv_heads=2, head_dim=16, block_size=8)
