@@ -5,7 +5,8 @@
 // p = seq_lens[s] - n_s + (t - query_start_loc[s]) and attends causally to KV positions 0..p, read from the
 // pool through row s of the block table (this step's own K/V are already written there). One work item is
 // up to 4 consecutive query tokens of one sequence and one KV head: its rows (tokens x the G = H / K query
-// heads of that KV head) share each K and V row, converted to f32 once per tile of 32 context positions.
+// heads of that KV head) share each K and V row, read in the pool (f32) or converted to f32 once per tile of
+// 32 context positions (bf16).
 // The tiles are walked with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
 // §3.1): scores 8 positions at a time (8 independent FMA chains, one transposing reduction), a running max
 // and sum per row, the accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
@@ -22,6 +23,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -118,18 +120,26 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
     longest = std::max(longest, R.limit[r]);
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(32) static thread_local float zeros[kMaxD];  // K of the positions past the context in a group of 8
+  const float* krow[kTile];  // each position's K and V row: in the pool itself (f32), else converted to f32
+  const float* vrow[kTile];
   for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
       const KV* kp = k_layer + slot * row + kh * D;
       const KV* vp = v_layer + slot * row + kh * D;
-      for (int64_t d = 0; d < Dv; ++d) {
-        _mm256_store_ps(kbuf + jj * D + 8 * d, load8(kp + 8 * d));
-        _mm256_store_ps(vbuf + jj * D + 8 * d, load8(vp + 8 * d));
+      if constexpr (std::is_same_v<KV, float>) {
+        krow[jj] = kp, vrow[jj] = vp;
+      } else {
+        for (int64_t d = 0; d < Dv; ++d) {
+          _mm256_store_ps(kbuf + jj * D + 8 * d, load8(kp + 8 * d));
+          _mm256_store_ps(vbuf + jj * D + 8 * d, load8(vp + 8 * d));
+        }
+        krow[jj] = kbuf + jj * D, vrow[jj] = vbuf + jj * D;
       }
     }
-    for (int64_t jj = n; jj < (n + 7) / 8 * 8; ++jj) std::fill(kbuf + jj * D, kbuf + (jj + 1) * D, 0.f);
+    for (int64_t jj = n; jj < (n + 7) / 8 * 8; ++jj) krow[jj] = zeros;
     for (int64_t r = 0; r < R.n; ++r) {
       const int64_t valid = std::min(n, R.limit[r] - j0);  // >= 1 while the row has context left
       if (valid <= 0) continue;
@@ -140,7 +150,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
         for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < Dv; ++d) {
           const __m256 qd = _mm256_loadu_ps(R.q[r] + 8 * d);
-          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_load_ps(kbuf + (jb + j) * D + 8 * d), a[j]);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(krow[jb + j] + 8 * d), a[j]);
         }
         _mm256_store_ps(&s[r][jb], _mm256_mul_ps(hsum8(a), scale));
       }
@@ -167,7 +177,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
         for (int64_t jj = 0; jj < valid; ++jj) {
           const __m256 p = _mm256_set1_ps(s[r][jj]);
           for (int64_t d = 0; d < nd; ++d)
-            o[d] = _mm256_fmadd_ps(p, _mm256_load_ps(vbuf + jj * D + 8 * (d0 + d)), o[d]);
+            o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[jj] + 8 * (d0 + d)), o[d]);
         }
         for (int64_t d = 0; d < nd; ++d) _mm256_store_ps(acc[r] + 8 * (d0 + d), o[d]);
       }
