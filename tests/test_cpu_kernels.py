@@ -16,13 +16,16 @@ from tests.test_pallas_attention import TOL, make_batch, ragged_batches
 
 
 
-def _cpu_has_avx2_fma() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
+            return set(f.read().split())
     except OSError:
-        return False
-    return {"avx2", "fma"} <= flags
+        return set()
+
+
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
 
 
 # Skipped only where the CPU cannot run it; a missing library (the install did not build it) fails.
@@ -138,12 +141,7 @@ def test_int8_draft_keeps_output_exact():
 
 
 def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
 
 
 # Skipped only on CPUs without AMX; a library that does not offer it on an AMX CPU fails.
