@@ -179,7 +179,7 @@ def amx_matmul_reference(x: jax.Array, p: AmxWeight) -> jax.Array:
     x = x.astype(jnp.float32)
     k = x.shape[1]
     x_hi = x.astype(jnp.bfloat16).astype(jnp.float32)
-    hi = functools.partial(unpack_amx, k=k)(AmxWeight(p.hi, jnp.zeros(0, jnp.bfloat16), p.n))
+    hi = unpack_amx(AmxWeight(p.hi, jnp.zeros(0, jnp.bfloat16), p.n), k)
     dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
     if not p.lo.size:
         return dot(x_hi, hi)
@@ -192,9 +192,8 @@ def amx_matmul(x: jax.Array, p: AmxWeight) -> jax.Array:
     """float32 `[T, N]` = x `[T, K]` @ W on AMX tiles; requires `amx_available()`."""
     if not amx_available():
         raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
-    lo = p.lo if p.lo.size else jnp.zeros(0, jnp.bfloat16)
     call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], p.n), jnp.float32))
-    return call(x.astype(jnp.float32), p.hi, lo)
+    return call(x.astype(jnp.float32), p.hi, p.lo)
 
 
 def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -204,10 +203,9 @@ def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tupl
     if not amx_available():
         raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
     T = x.shape[0]
-    lo = p.lo if p.lo.size else jnp.zeros(0, jnp.bfloat16)
     call = jax.ffi.ffi_call(_AMX_HEAD_TARGET, (jax.ShapeDtypeStruct((T,), jnp.float32),
                                                jax.ShapeDtypeStruct((T,), jnp.int32)))
-    return tuple(call(x.astype(jnp.float32), p.hi, lo, targets.astype(jnp.int32), n=np.int64(p.n)))
+    return tuple(call(x.astype(jnp.float32), p.hi, p.lo, targets.astype(jnp.int32), n=np.int64(p.n)))
 
 
 def log_softmax_gather_reference(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

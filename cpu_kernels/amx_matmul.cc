@@ -206,6 +206,13 @@ struct Shared {
   std::atomic<int64_t> next{0}, done{0};            // phase 2: column groups
 };
 
+// Column blocks per work item: up to 8 (256 columns: 8 x 32 x Kp x 2 bytes of B per pass, in L2), at least 4
+// items per thread where the width allows, for balance.
+int64_t GroupSize(ffi::ThreadPool& pool, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), blocks = (N + kBlock - 1) / kBlock;
+  return std::clamp<int64_t>(blocks / (4 * threads), 1, kMaxGroup);
+}
+
 // The product (or the fused head reduction) with x split into bf16 first. Work sharing as in
 // skinny_matmul.cc: the caller takes items too and waits for all; helpers hold `shared` alive and touch the
 // operands only after taking an item, which the caller waits for.
@@ -218,12 +225,8 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, cons
   uint16_t* a_hi = scratch.data();
   uint16_t* a_lo = w_lo ? a_hi + plane : nullptr;
   const Operands o{a_hi, a_lo, w_hi, w_lo, y, reduce, T, N, Mp, Kp};
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  // Groups of up to 8 column blocks (256 columns: 8 x 32 x Kp x 2 bytes of B per pass, in L2), at least 4
-  // groups per thread where the width allows, for balance.
-  const int64_t group = std::clamp<int64_t>(blocks / (4 * threads), 1, kMaxGroup);
-  const int64_t groups = (blocks + group - 1) / group;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), blocks = (N + kBlock - 1) / kBlock;
+  const int64_t group = GroupSize(pool, N), groups = (blocks + group - 1) / group;
   const int64_t row_items = Mp / kBlock;
   auto shared = std::make_shared<Shared>();
   auto work = [shared, &o, x, K, blocks, group, groups, row_items] {
@@ -245,12 +248,6 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, cons
   work();
   while (shared->done.load(std::memory_order_acquire) < groups) _mm_pause();
   return ffi::Error::Success();
-}
-
-int64_t Groups(ffi::ThreadPool& pool, int64_t N) {  // as Run chooses them
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), blocks = (N + kBlock - 1) / kBlock;
-  const int64_t group = std::clamp<int64_t>(blocks / (4 * threads), 1, kMaxGroup);
-  return (blocks + group - 1) / group;
 }
 
 // Checks x [T, K], w [Np/16, Kp/32, 16, 32] (and w_lo: empty or the same) against N; sets Kp.
@@ -301,7 +298,7 @@ ffi::Error AmxHeadLogSoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   for (int64_t t = 0; t < T; ++t)
     if (tg[t] < 0 || tg[t] >= n) return ffi::Error::InvalidArgument("amx head: target id out of range");
   if (T == 0 || n == 0) return ffi::Error::Success();
-  const int64_t groups = Groups(pool, n);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, group = GroupSize(pool, n), groups = (blocks + group - 1) / group;
   std::vector<float> target_logit(T), max(groups * T), sum(groups * T);
   std::vector<int32_t> arg(groups * T);
   Reduce rd{tg, target_logit.data(), max.data(), arg.data(), sum.data()};
