@@ -64,6 +64,13 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+__attribute__((target("avx2,fma"))) inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
 // exp(x) for 8 lanes; x below -87.3 gives 0 (as exp does in float32, up to denormals).
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
@@ -106,6 +113,41 @@ struct Rows {
   int64_t limit[kMaxRows];  // KV positions the row attends to (its causal limit)
 };
 
+// Prefetches the K and V rows of positions j0 .. end - 1 of one KV head. A head's rows are strided (the
+// other heads sit between them) and its pages scattered, which the hardware prefetcher does not follow:
+// without this the short work items of decode steps wait on memory at every tile.
+template <typename KV>
+inline void prefetch_rows(const Layout& L, const KV* k_layer, const KV* v_layer, const int32_t* table, int64_t kh,
+                          int64_t j0, int64_t end) {
+  const int64_t row = L.Kh * L.D, bytes = L.D * static_cast<int64_t>(sizeof(KV));
+  for (int64_t j = j0; j < end; ++j) {
+    const int64_t at = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh * L.D;
+    const char* kp = reinterpret_cast<const char*>(k_layer + at);
+    const char* vp = reinterpret_cast<const char*>(v_layer + at);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(kp + b, _MM_HINT_T0);
+      _mm_prefetch(vp + b, _MM_HINT_T0);
+    }
+  }
+}
+
+// acc[0, 8 ND) = acc * corr + sum_{jj < n} p[jj] v_jj[d0, d0 + 8 ND). ND is a constant so the ND
+// accumulators stay in registers (a run-time count spilled them to the stack at every FMA).
+template <int ND>
+__attribute__((target("avx2,fma"))) void pv_avx2(float* acc, float corr, const float* p, int64_t n,
+                                                 const float* const* vrow, int64_t d0) {
+  __m256 o[ND];
+  const __m256 c = _mm256_set1_ps(corr);
+  for (int d = 0; d < ND; ++d) o[d] = _mm256_mul_ps(_mm256_load_ps(acc + 8 * d), c);
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const __m256 pj = _mm256_set1_ps(p[jj]);
+    for (int d = 0; d < ND; ++d) o[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vrow[jj] + d0 + 8 * d), o[d]);
+  }
+  for (int d = 0; d < ND; ++d) _mm256_store_ps(acc + 8 * d, o[d]);
+}
+using PvAvx2Fn = void (*)(float*, float, const float*, int64_t, const float* const*, int64_t);
+constexpr PvAvx2Fn kPvAvx2[4] = {&pv_avx2<1>, &pv_avx2<2>, &pv_avx2<3>, &pv_avx2<4>};
+
 template <typename KV>
 __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, const KV* k_layer,
                                                 const KV* v_layer, const int32_t* table, int64_t kh) {
@@ -123,8 +165,10 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
   alignas(32) static thread_local float zeros[kMaxD];  // K of the positions past the context in a group of 8
   const float* krow[kTile];  // each position's K and V row: in the pool itself (f32), else converted to f32
   const float* vrow[kTile];
+  prefetch_rows(L, k_layer, v_layer, table, kh, 0, std::min(kTile, longest));
   for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
+    prefetch_rows(L, k_layer, v_layer, table, kh, j0 + kTile, std::min(j0 + 2 * kTile, longest));
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
       const KV* kp = k_layer + slot * row + kh * D;
@@ -155,9 +199,9 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
         _mm256_store_ps(&s[r][jb], _mm256_mul_ps(hsum8(a), scale));
       }
       for (int64_t jj = valid; jj < kTile; ++jj) s[r][jj] = neg_inf;
-      float tile_max = s[r][0];
-      for (int64_t jj = 1; jj < valid; ++jj) tile_max = std::max(tile_max, s[r][jj]);
-      const float m_new = std::max(m[r], tile_max);
+      __m256 mx = _mm256_load_ps(&s[r][0]);  // the positions past valid hold -inf
+      for (int64_t jj = 8; jj < kTile; jj += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(&s[r][jj]));
+      const float m_new = std::max(m[r], hmax(mx));
       const __m256 mv = _mm256_set1_ps(m_new);
       __m256 sum = _mm256_setzero_ps();
       for (int64_t jj = 0; jj < kTile; jj += 8) {
@@ -169,18 +213,8 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
       l[r] = l[r] * corr + hsum(sum);
       m[r] = m_new;
       // acc = acc * corr + sum_jj p[jj] v[jj], D in register blocks of 4 vectors.
-      for (int64_t d0 = 0; d0 < Dv; d0 += 4) {
-        const int64_t nd = std::min<int64_t>(4, Dv - d0);
-        __m256 o[4];
-        const __m256 c = _mm256_set1_ps(corr);
-        for (int64_t d = 0; d < nd; ++d) o[d] = _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * (d0 + d)), c);
-        for (int64_t jj = 0; jj < valid; ++jj) {
-          const __m256 p = _mm256_set1_ps(s[r][jj]);
-          for (int64_t d = 0; d < nd; ++d)
-            o[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow[jj] + 8 * (d0 + d)), o[d]);
-        }
-        for (int64_t d = 0; d < nd; ++d) _mm256_store_ps(acc[r] + 8 * (d0 + d), o[d]);
-      }
+      for (int64_t d0 = 0; d0 < Dv; d0 += 4)
+        kPvAvx2[std::min<int64_t>(4, Dv - d0) - 1](acc[r] + 8 * d0, corr, s[r], valid, vrow, 8 * d0);
     }
   }
   for (int64_t r = 0; r < R.n; ++r) {
