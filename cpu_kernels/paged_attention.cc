@@ -113,24 +113,6 @@ struct Rows {
   int64_t limit[kMaxRows];  // KV positions the row attends to (its causal limit)
 };
 
-// Prefetches the K and V rows of positions j0 .. end - 1 of one KV head. A head's rows are strided (the
-// other heads sit between them) and its pages scattered, which the hardware prefetcher does not follow:
-// without this the short work items of decode steps wait on memory at every tile.
-template <typename KV>
-inline void prefetch_rows(const Layout& L, const KV* k_layer, const KV* v_layer, const int32_t* table, int64_t kh,
-                          int64_t j0, int64_t end) {
-  const int64_t row = L.Kh * L.D, bytes = L.D * static_cast<int64_t>(sizeof(KV));
-  for (int64_t j = j0; j < end; ++j) {
-    const int64_t at = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh * L.D;
-    const char* kp = reinterpret_cast<const char*>(k_layer + at);
-    const char* vp = reinterpret_cast<const char*>(v_layer + at);
-    for (int64_t b = 0; b < bytes; b += 64) {
-      _mm_prefetch(kp + b, _MM_HINT_T0);
-      _mm_prefetch(vp + b, _MM_HINT_T0);
-    }
-  }
-}
-
 // acc[0, 8 ND) = acc * corr + sum_{jj < n} p[jj] v_jj[d0, d0 + 8 ND). ND is a constant so the ND
 // accumulators stay in registers (a run-time count spilled them to the stack at every FMA).
 template <int ND>
@@ -165,10 +147,8 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
   alignas(32) static thread_local float zeros[kMaxD];  // K of the positions past the context in a group of 8
   const float* krow[kTile];  // each position's K and V row: in the pool itself (f32), else converted to f32
   const float* vrow[kTile];
-  prefetch_rows(L, k_layer, v_layer, table, kh, 0, std::min(kTile, longest));
   for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
-    prefetch_rows(L, k_layer, v_layer, table, kh, j0 + kTile, std::min(j0 + 2 * kTile, longest));
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
       const KV* kp = k_layer + slot * row + kh * D;

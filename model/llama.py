@@ -76,10 +76,18 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates `x [T, N, D]` by `positions [T]` (half-split layout, as HF Llama)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+def rope_angles(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin of `positions [T] x inv_freq [D/2]`, each float32 `[T, 1, D/2]`.
+
+    Computed once per step and shared by every layer (XLA does not merge the
+    per-layer copies: 60 sin/cos evaluations per step otherwise).
+    """
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(freqs)[:, None, :], jnp.sin(freqs)[:, None, :]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates `x [T, N, D]` by the angles of `rope_angles` (half-split layout, as HF Llama)."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -273,7 +281,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = token_ids.shape[0]
-        inv_freq = self.inv_freq[...]
+        cos, sin = rope_angles(positions, self.inv_freq[...])
         x = jnp.take(self.embed[...], token_ids, axis=0) if inputs_embeds is None else inputs_embeds
         for index, lp in enumerate(self.layers):
             with jax.named_scope("attention"):
@@ -282,8 +290,8 @@ class Llama(nnx.Module):
                 if cfg.qkv_bias:
                     qkv = qkv + lp.bqkv[...]
                 q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
-                q = apply_rope(q.reshape(T, H, D), positions, inv_freq)
-                k = apply_rope(k.reshape(T, K, D), positions, inv_freq)
+                q = apply_rope(q.reshape(T, H, D), cos, sin)
+                k = apply_rope(k.reshape(T, K, D), cos, sin)
                 out, cache = attend(q, k, v.reshape(T, K, D), index, cache)
                 x = x + self._linear(out.reshape(T, H * D).astype(x.dtype), lp, "wo")
             with jax.named_scope("mlp"):
