@@ -42,33 +42,25 @@ def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
     return 1
 
 
-def shard_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Each parameter's per-device shape and how many of it the device holds (one per layer for layer params).
+def shard_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
+    """Each parameter's per-device shape, from its logical axes in `model.llama.param_specs`: `vocab`,
+    `q_heads` and `mlp` split over `tp` (vocab padded up), `kv_heads` to `kv_heads_per_device` heads, the
+    rest (`embed`, `layers`) whole.
 
-    Names are `model.llama.Llama`'s. Raises ValueError when the heads or the
-    intermediate size do not split over `tp`.
+    Raises ValueError when the heads or the intermediate size do not split over `tp`.
     """
+    from model.llama import param_specs
+
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    E, F, L, H, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.head_dim
+    H, F = cfg.num_heads, cfg.intermediate_size
     if H % tp or F % tp:
         raise ValueError(f"{H} heads and intermediate size {F} must be multiples of tensor_parallel_size {tp}")
-    Kd, Hd, Vd = kv_heads_per_device(cfg.num_kv_heads, tp), H // tp, math.ceil(cfg.vocab_size / tp)
-    shapes = {
-        "embed": ((Vd, E), 1),
-        "final_norm": ((E,), 1),
-        "attn_norm": ((E,), L),
-        "mlp_norm": ((E,), L),
-        "wqkv": ((E, (Hd + 2 * Kd) * D), L),
-        "wo": ((Hd * D, E), L),
-        "w_gate_up": ((E, 2 * F // tp), L),
-        "w_down": ((F // tp, E), L),
-    }
-    if cfg.qkv_bias:
-        shapes["bqkv"] = (((Hd + 2 * Kd) * D,), L)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = ((E, Vd), 1)
-    return shapes
+    kv = kv_heads_per_device(cfg.num_kv_heads, tp) * cfg.head_dim
+    per_device = {"vocab": lambda n: math.ceil(n / tp), "q_heads": lambda n: n // tp,
+                  "mlp": lambda n: n // tp, "kv_heads": lambda n: kv}
+    return {name: tuple(per_device.get(axis, lambda n: n)(n) for n, axis in zip(shape, axes))
+            for name, (shape, axes) in param_specs(cfg).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +100,8 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     devices. `kv_cache_dtype` defaults to `cfg.dtype`. Raises ValueError for shapes that do not split."""
     tp = tensor_parallel_size
     wb, kvb = _BYTES[cfg.dtype], _BYTES[kv_cache_dtype or cfg.dtype]
-    weights = sum(int(np.prod(shape)) * n for shape, n in shard_shapes(cfg, tp).values()) * wb
+    weights = sum(int(np.prod(shape)) * (4 if name == "head_ids" else wb)  # head_ids: int32
+                  for name, shape in shard_shapes(cfg, tp).items())
     Kd = kv_heads_per_device(cfg.num_kv_heads, tp)
     kv_per_token = 2 * cfg.num_layers * Kd * cfg.head_dim * kvb
     E, F, D, T = cfg.hidden_size, cfg.intermediate_size // tp, cfg.head_dim, max_num_batched_tokens

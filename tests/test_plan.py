@@ -1,0 +1,87 @@
+"""The memory plan (`engine.plan`) against the arrays it describes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from flax import nnx
+
+from engine.plan import kv_heads_per_device, memory_plan, shard_shapes
+from engine.step import KVPool
+from model.config import get_preset
+from model.llama import Llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_device_matches_the_built_model_and_pool(name, dtype):
+    cfg = get_preset(name).replace(dtype=dtype)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    params = jax.tree.leaves(nnx.state(model, nnx.Param))
+    plan = memory_plan(cfg, 1, block_size=16)
+    assert plan.weight_bytes == sum(x.nbytes for x in params)
+    pool = KVPool.zeros(cfg, 37, 16)
+    assert 37 * 16 * plan.kv_bytes_per_token == pool.k.nbytes + pool.v.nbytes
+
+
+def test_sharded_arrays_hold_the_planned_bytes_on_each_device():
+    # Megatron sharding from the logical axes on 4 CPU devices (a subprocess: the device count is fixed at
+    # start-up); KV heads 4 >= tp, so every sharded axis splits evenly and NamedSharding can express it.
+    code = textwrap.dedent("""
+        import jax, json, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from model.config import get_preset
+        from model.llama import param_specs
+        cfg = get_preset("tiny-llama").replace(num_kv_heads=4)
+        mesh = Mesh(np.array(jax.devices()), ("tp",))
+        split = {"vocab", "q_heads", "kv_heads", "mlp"}
+        per_device = [0] * 4
+        for name, (shape, axes) in param_specs(cfg).items():
+            spec = P(*("tp" if a in split else None for a in axes))
+            x = jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+            for s in x.addressable_shards:
+                per_device[s.device.id] += s.data.nbytes
+        print(json.dumps(per_device))
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    per_device = [int(n) for n in out.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    cfg = get_preset("tiny-llama").replace(num_kv_heads=4)
+    assert per_device == [memory_plan(cfg, 4).weight_bytes] * 4
+
+
+def test_kv_heads_replicate_past_their_count():
+    assert [kv_heads_per_device(8, tp) for tp in (1, 2, 4, 8, 16, 32)] == [8, 4, 2, 1, 1, 1]
+    with pytest.raises(ValueError, match="KV heads"):
+        kv_heads_per_device(6, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        kv_heads_per_device(3, 4)
+    with pytest.raises(ValueError, match="multiples"):
+        shard_shapes(get_preset("smollm2-135m"), 2)  # 9 query heads
+
+
+def test_llama_3_70b_over_8_devices():
+    cfg = get_preset("llama-3-70b")
+    plan = memory_plan(cfg, 8, device_bytes=80 << 30, utilization=0.9)
+    # Norms are whole on every device; everything else is an eighth (the vocabulary 128256 splits evenly).
+    replicated = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size
+    assert plan.weight_bytes == 2 * ((cfg.num_params - replicated) // 8 + replicated)
+    assert plan.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # one KV head per device
+    assert plan.kv_tokens % 16 == 0 and plan.kv_tokens * plan.kv_bytes_per_token <= plan.kv_pool_bytes
+    assert plan.max_num_seqs_at(8192) == plan.kv_blocks // 512
+    # 16 GiB of weights per device: the whole model would not fit one 80 GiB device.
+    assert memory_plan(cfg, 1).kv_blocks == 0
+
+
+def test_command_line_prints_the_table():
+    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-70b", "--tensor_parallel_size=8",
+                          "--dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| weights | 16.43 GiB |" in out.stdout and "| KV per token | 40.0 KiB |" in out.stdout
+    assert "| 8192 | 177 |" in out.stdout
