@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 
 import numpy as np
 
@@ -141,22 +143,28 @@ def main(argv):
     from model.config import get_preset
     del argv
     F = flags.FLAGS
-    cfg = get_preset(F.model)
-    if F.dtype:
-        cfg = cfg.replace(dtype=F.dtype)
-    plan = memory_plan(cfg, F.tensor_parallel_size, F.kv_cache_dtype, F.max_num_batched_tokens, F.max_num_seqs,
-                       F.block_size, int(F.device_memory_gib * (1 << 30)), F.memory_utilization)
+    try:
+        cfg = ModelConfig.from_hf_config(F.model) if os.path.exists(F.model) else get_preset(F.model)
+        if F.dtype:
+            cfg = cfg.replace(dtype=F.dtype)
+        plan = memory_plan(cfg, F.tensor_parallel_size, F.kv_cache_dtype, F.max_num_batched_tokens,
+                           F.max_num_seqs, F.block_size, int(F.device_memory_gib * (1 << 30)),
+                           F.memory_utilization)
+    except (KeyError, ValueError) as e:
+        print(f"engine.plan: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
     lens, n = [], 2048
     while n <= cfg.max_position_embeddings:
         lens.append(n)
         n *= 2
     print(format_plan(cfg, plan, lens or [cfg.max_position_embeddings]))
+    return 0
 
 
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("model", "llama-3-70b", "Model preset.")
+    flags.DEFINE_string("model", "llama-3-70b", "Model preset, or a Hugging Face config.json (or its directory).")
     flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the model is split over.")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weights and activations; default the preset's.")
     flags.DEFINE_enum("kv_cache_dtype", None, ["float32", "bfloat16"], "KV pool; default --dtype.")

@@ -85,3 +85,12 @@ def test_command_line_prints_the_table():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| weights | 16.43 GiB |" in out.stdout and "| KV per token | 40.0 KiB |" in out.stdout
     assert "| 8192 | 177 |" in out.stdout
+
+
+def test_command_line_rejects_a_split_that_does_not_divide():
+    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-70b", "--tensor_parallel_size=3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "multiples of tensor_parallel_size 3" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=no-such-model"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "unknown model preset" in out.stderr
