@@ -313,3 +313,22 @@ def test_bad_flags_and_missing_input_exit_2(tmp_path):
     (tmp_path / "out.jsonl").write_text('{"id": 1}\nnot json\n{"id": 2}\n')
     out = _job(tmp_path, None, check=False)
     assert out.returncode == 2 and "--overwrite" in out.stderr
+
+
+def test_data_parallel_workers_merge_to_the_single_process_output(tmp_path):
+    rng = random.Random(4)
+    lines = [{"id": f"d{i}", "prompt": _text(rng, 4), "max_tokens": 6, "temperature": 0} for i in range(12)]
+    lines += [{"id": "s0", "prompt": _text(rng, 4), "max_tokens": 6, "temperature": 0.8, "seed": 7}, "not json"]
+    single = _job(tmp_path, lines)
+    assert single.returncode == 1  # the bad line
+    dp = _job(tmp_path, None, "--data_parallel_size=2", name="dp.jsonl")
+    assert dp.returncode == 1, dp.stderr[-2000:]
+    assert "merged 14 records from 2 workers" in dp.stderr
+    assert list(map(_comparable, _records(tmp_path / "dp.jsonl"))) == list(map(_comparable, _records(tmp_path / "out.jsonl")))
+    assert len(_records(tmp_path / "dp.jsonl.shard-1-of-2")) == 7  # lines 2, 4, ..., 14
+    first = _records(tmp_path / "dp.jsonl")
+    again = _job(tmp_path, None, "--data_parallel_size=2", name="dp.jsonl")  # each worker resumes: all done
+    assert again.returncode == 0 and again.stderr.count("resuming: 7 records") == 2  # nothing failed this run
+    assert _records(tmp_path / "dp.jsonl") == first
+    bad = _job(tmp_path, None, "--data_parallel_size=2", "--unordered", name="dp2.jsonl", check=False)
+    assert bad.returncode == 2 and "no --unordered" in bad.stderr

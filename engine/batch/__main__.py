@@ -9,7 +9,11 @@ gets an error record and the job goes on; the exit code is 1 when any line
 failed, 143 when SIGTERM or Ctrl-C stopped the job early (what was in
 flight is written first), 2 for bad flags or a model that cannot load.
 Sharding: run `--num_shards=N --shard_index=i` per machine, then
-`--merge=out0.jsonl,out1.jsonl,... --input=... --output=...`.
+`--merge=out0.jsonl,out1.jsonl,... --input=... --output=...`. On one host,
+`--data_parallel_size=N` does both: N worker processes, worker i on device
+i (or the i-th slice of the CPU cores) writing `OUTPUT.shard-i-of-N`, then
+the merge; the shard files stay, so a rerun resumes each worker (each
+writes its own summary, `--summary_json` gets the same suffix).
 Model, engine and speculation flags are `engine.flags`'.
 """
 
@@ -36,6 +40,8 @@ flags.DEFINE_integer("score_stride", None, "Score mode, texts longer than the co
 flags.DEFINE_string("summary_json", None, "Also write the run's summary here as JSON.")
 flags.DEFINE_integer("num_shards", 1, "Split the input into this many shards (line i goes to shard i mod n).")
 flags.DEFINE_integer("shard_index", 0, "The shard this run takes, in [0, num_shards).")
+flags.DEFINE_integer("data_parallel_size", 1, "Run this many shard workers on this host, one engine each on "
+                     "its own device group (GPU i, or a slice of the CPU cores), then merge their outputs.")
 flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --output in --input order "
                   "(nothing is generated).")
 
@@ -65,6 +71,8 @@ def main(argv):
             return _fail_usage(str(e))
         print(f"merged {n} records from {len(FLAGS.merge)} shards into {FLAGS.output}", file=sys.stderr)
         return 0
+    if FLAGS.data_parallel_size != 1:
+        return _data_parallel()
     if not 0 <= FLAGS.shard_index < FLAGS.num_shards:
         return _fail_usage(f"--shard_index must be in [0, {FLAGS.num_shards})")
     if FLAGS.max_inflight < 1:
@@ -113,6 +121,62 @@ def main(argv):
     if summary.interrupted:
         return EXIT_STOPPED
     return EXIT_FAILED_LINES if summary.lines_failed else 0
+
+
+# Flags a worker gets from the data-parallel parent instead of the user's.
+_WORKER_OWN = ("data_parallel_size", "num_shards", "shard_index", "output", "summary_json", "unordered")
+
+
+def _data_parallel() -> int:
+    """Runs `--data_parallel_size` shard workers (this module, in child processes) and merges their outputs.
+
+    Worker i sees device i (`CUDA_VISIBLE_DEVICES`, from the parent's list when set) and runs on the i-th
+    contiguous slice of the parent's CPU cores. SIGTERM / Ctrl-C reach every worker, which finish what is in
+    flight. Returns the first worker's exit code that is not 0 or 1 (no merge then), else the merge's, or 1
+    when any line failed.
+    """
+    import subprocess
+
+    from engine.batch.io import merge_shards
+    n = FLAGS.data_parallel_size
+    if n < 1:
+        return _fail_usage("--data_parallel_size must be >= 1")
+    if FLAGS.num_shards != 1 or FLAGS.unordered:
+        return _fail_usage("--data_parallel_size shards the input itself (no --num_shards) and merges in input "
+                           "order (no --unordered)")
+    passed = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present and name not in _WORKER_OWN]
+    cpus = sorted(os.sched_getaffinity(0))
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpus.split(",") if gpus else [str(i) for i in range(n)]
+    if len(gpus) < n:
+        return _fail_usage(f"--data_parallel_size {n} wants {n} devices; CUDA_VISIBLE_DEVICES lists {len(gpus)}")
+    shards = [f"{FLAGS.output}.shard-{i}-of-{n}" for i in range(n)]
+    workers = []
+    for i, shard in enumerate(shards):
+        mine = cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n] or cpus[i % len(cpus):][:1]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i])
+        cmd = [sys.executable, "-m", "engine.batch", *passed, f"--num_shards={n}", f"--shard_index={i}",
+               f"--output={shard}"] + ([f"--summary_json={FLAGS.summary_json}.shard-{i}-of-{n}"]
+                                       if FLAGS.summary_json else [])
+        workers.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda cores=mine: os.sched_setaffinity(0, cores)))
+
+    def forward(signum, frame):
+        for w in workers:
+            w.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [w.wait() for w in workers]
+    for code in codes:
+        if code not in (0, EXIT_FAILED_LINES):
+            print(f"a worker exited {code}; rerun the same command to resume", file=sys.stderr)
+            return code
+    try:
+        records = merge_shards(FLAGS.input, shards, FLAGS.output)
+    except (ValueError, OSError) as e:
+        return _fail_usage(str(e))
+    print(f"merged {records} records from {n} workers into {FLAGS.output}", file=sys.stderr)
+    return EXIT_FAILED_LINES if EXIT_FAILED_LINES in codes else 0
 
 
 if __name__ == "__main__":
