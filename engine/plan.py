@@ -15,7 +15,9 @@ Weights and KV bytes are exact (the arrays' own sizes; `tests/test_plan.py`
 checks them against the built model and pool). Activations are an estimate of
 the largest transient set of one step: the residual stream and the widest
 projection outputs over the token budget, and the gathered float32 logits of
-the sampled rows with the sampler's working copies.
+the sampled rows with the sampler's working copies. On CPU the native kernels
+keep packed copies of the weights besides (the engine logs their size at
+start-up); the plan, written for accelerators, does not count them.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from model.config import ModelConfig
 
 _BYTES = {"float32": 4, "bfloat16": 2}
-SAMPLER_COPIES = 4  # [S, V] float32 arrays live at once while sampling: logits, probabilities, sort keys, ids
+SAMPLER_COPIES = 4  # [S, V] float32 arrays live at once while sampling: logits, scaled, exponentials, kept mask
 
 
 def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
