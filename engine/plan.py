@@ -102,6 +102,12 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
                 device_bytes: int = 80 << 30, utilization: float = 0.9) -> MemoryPlan:
     """The per-device plan for `cfg` (its `dtype` is the weights' and activations') over `tensor_parallel_size`
     devices. `kv_cache_dtype` defaults to `cfg.dtype`. Raises ValueError for shapes that do not split."""
+    for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs),
+                        ("block_size", block_size), ("device_bytes", device_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
     tp = tensor_parallel_size
     wb, kvb = _BYTES[cfg.dtype], _BYTES[kv_cache_dtype or cfg.dtype]
     weights = sum(int(np.prod(shape)) * (4 if name == "head_ids" else wb)  # head_ids: int32
@@ -146,14 +152,20 @@ def main(argv):
     del argv
     F = flags.FLAGS
     try:
+        if not 0 < F.device_memory_gib < 1 << 20:
+            raise ValueError(f"--device_memory_gib must be in (0, 2^20), got {F.device_memory_gib}")
         cfg = ModelConfig.from_hf_config(F.model) if os.path.exists(F.model) else get_preset(F.model)
         if F.dtype:
             cfg = cfg.replace(dtype=F.dtype)
         plan = memory_plan(cfg, F.tensor_parallel_size, F.kv_cache_dtype, F.max_num_batched_tokens,
                            F.max_num_seqs, F.block_size, int(F.device_memory_gib * (1 << 30)),
                            F.memory_utilization)
-    except (KeyError, ValueError) as e:
-        print(f"engine.plan: {e.args[0] if e.args else e}", file=sys.stderr)
+    except KeyError as e:  # an unknown preset, or a config.json without a required field
+        print(f"engine.plan: {F.model} lacks the field {e}" if os.path.exists(F.model) else f"engine.plan: {e.args[0]}",
+              file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError, OSError) as e:  # unreadable or bad config
+        print(f"engine.plan: {e}", file=sys.stderr)
         return 2
     lens, n = [], 2048
     while n <= cfg.max_position_embeddings:

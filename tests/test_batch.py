@@ -319,16 +319,20 @@ def test_data_parallel_workers_merge_to_the_single_process_output(tmp_path):
     rng = random.Random(4)
     lines = [{"id": f"d{i}", "prompt": _text(rng, 4), "max_tokens": 6, "temperature": 0} for i in range(12)]
     lines += [{"id": "s0", "prompt": _text(rng, 4), "max_tokens": 6, "temperature": 0.8, "seed": 7}, "not json"]
+    lines.append({"id": "d1", "prompt": "again", "max_tokens": 2})  # line 15 (shard 0) repeats line 2's id (shard 1)
     single = _job(tmp_path, lines)
-    assert single.returncode == 1  # the bad line
+    assert single.returncode == 1  # the bad line and the duplicate
+    assert "duplicate id 'd1'" in _records(tmp_path / "out.jsonl")[14]["error"]
     dp = _job(tmp_path, None, "--data_parallel_size=2", name="dp.jsonl")
     assert dp.returncode == 1, dp.stderr[-2000:]
-    assert "merged 14 records from 2 workers" in dp.stderr
+    assert "merged 15 records from 2 shards" in dp.stderr and "1 lines repeat an id" in dp.stderr
     assert list(map(_comparable, _records(tmp_path / "dp.jsonl"))) == list(map(_comparable, _records(tmp_path / "out.jsonl")))
     assert len(_records(tmp_path / "dp.jsonl.shard-1-of-2")) == 7  # lines 2, 4, ..., 14
     first = _records(tmp_path / "dp.jsonl")
     again = _job(tmp_path, None, "--data_parallel_size=2", name="dp.jsonl")  # each worker resumes: all done
-    assert again.returncode == 0 and again.stderr.count("resuming: 7 records") == 2  # nothing failed this run
+    assert again.returncode == 1 and again.stderr.count("resuming: ") == 2  # the duplicate is found again
     assert _records(tmp_path / "dp.jsonl") == first
     bad = _job(tmp_path, None, "--data_parallel_size=2", "--unordered", name="dp2.jsonl", check=False)
     assert bad.returncode == 2 and "no --unordered" in bad.stderr
+    same = _job(tmp_path, None, "--data_parallel_size=2", name="in.jsonl", check=False)
+    assert same.returncode == 2 and "must not be the input" in same.stderr and len((tmp_path / "in.jsonl").read_text().splitlines()) == 15

@@ -94,3 +94,22 @@ def test_command_line_rejects_a_split_that_does_not_divide():
     out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=no-such-model"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown model preset" in out.stderr
+
+
+@pytest.mark.parametrize("flag, message", [("--block_size=0", "block_size must be >= 1"),
+                                           ("--max_num_batched_tokens=-100", "max_num_batched_tokens must be >= 1"),
+                                           ("--memory_utilization=1.5", "utilization must be in (0, 1]"),
+                                           ("--memory_utilization=nan", "utilization must be in (0, 1]"),
+                                           ("--device_memory_gib=0", "device_memory_gib must be in"),
+                                           ("--device_memory_gib=inf", "device_memory_gib must be in")])
+def test_command_line_rejects_bad_numbers(flag, message):
+    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-8b", flag],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-1000:]
+
+
+def test_command_line_reports_a_bad_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
+    out = subprocess.run([sys.executable, "-m", "engine.plan", f"--model={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "lacks the field 'num_attention_heads'" in out.stderr, out.stderr[-1000:]

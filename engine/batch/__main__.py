@@ -61,24 +61,23 @@ def main(argv):
         return _fail_usage("--input and --output are required")
     if not os.path.exists(FLAGS.input):
         return _fail_usage(f"no input file {FLAGS.input}")
-    from engine.batch.io import Resume, Writer, merge_shards, read_lines, read_resume
+    from engine.batch.io import Resume, Writer, read_lines, read_resume
     from engine.batch.runner import BatchJob
 
+    if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
+        return _fail_usage("--output must not be the input file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
+        return _fail_usage(f"no directory for --output {FLAGS.output}")
     if FLAGS.merge:
-        try:
-            n = merge_shards(FLAGS.input, FLAGS.merge, FLAGS.output)
-        except (ValueError, OSError) as e:
-            return _fail_usage(str(e))
-        print(f"merged {n} records from {len(FLAGS.merge)} shards into {FLAGS.output}", file=sys.stderr)
-        return 0
-    if FLAGS.data_parallel_size != 1:
-        return _data_parallel()
+        if FLAGS.data_parallel_size != 1:
+            return _fail_usage("--merge joins finished shards; --data_parallel_size runs them")
+        return _merge(FLAGS.merge)
     if not 0 <= FLAGS.shard_index < FLAGS.num_shards:
         return _fail_usage(f"--shard_index must be in [0, {FLAGS.num_shards})")
     if FLAGS.max_inflight < 1:
         return _fail_usage("--max_inflight must be >= 1")
-    if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
-        return _fail_usage("--output must not be the input file")
+    if FLAGS.data_parallel_size != 1:
+        return _data_parallel()
     try:
         resume = read_resume(FLAGS.output) if not FLAGS.overwrite else None
     except ValueError as e:
@@ -123,6 +122,19 @@ def main(argv):
     return EXIT_FAILED_LINES if summary.lines_failed else 0
 
 
+def _merge(shards: list[str]) -> int:
+    """Joins finished shard outputs into --output; 1 when ids repeated across shards became error records."""
+    from engine.batch.io import merge_shards
+    try:
+        records, duplicates = merge_shards(FLAGS.input, shards, FLAGS.output)
+    except (ValueError, OSError) as e:
+        return _fail_usage(str(e))
+    print(f"merged {records} records from {len(shards)} shards into {FLAGS.output}"
+          + (f"; {duplicates} lines repeat an id of another shard's line: error records now" if duplicates else ""),
+          file=sys.stderr)
+    return EXIT_FAILED_LINES if duplicates else 0
+
+
 # Flags a worker gets from the data-parallel parent instead of the user's.
 _WORKER_OWN = ("data_parallel_size", "num_shards", "shard_index", "output", "summary_json", "unordered")
 
@@ -135,30 +147,39 @@ def _data_parallel() -> int:
     flight. Returns the first worker's exit code that is not 0 or 1 (no merge then), else the merge's, or 1
     when any line failed.
     """
+    import ctypes
     import subprocess
 
-    from engine.batch.io import merge_shards
     n = FLAGS.data_parallel_size
     if n < 1:
         return _fail_usage("--data_parallel_size must be >= 1")
-    if FLAGS.num_shards != 1 or FLAGS.unordered:
-        return _fail_usage("--data_parallel_size shards the input itself (no --num_shards) and merges in input "
-                           "order (no --unordered)")
+    if FLAGS.num_shards != 1 or FLAGS.shard_index != 0 or FLAGS.unordered:
+        return _fail_usage("--data_parallel_size shards the input itself (no --num_shards / --shard_index) and "
+                           "merges in input order (no --unordered)")
     passed = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present and name not in _WORKER_OWN]
     cpus = sorted(os.sched_getaffinity(0))
     gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus and len(gpus.split(",")) < n:
+        return _fail_usage(f"--data_parallel_size {n} wants {n} devices; CUDA_VISIBLE_DEVICES lists "
+                           f"{len(gpus.split(','))}")
+    if not gpus and n > len(cpus):
+        return _fail_usage(f"--data_parallel_size {n} is more than the {len(cpus)} CPU cores (and no "
+                           "CUDA_VISIBLE_DEVICES lists devices)")
     gpus = gpus.split(",") if gpus else [str(i) for i in range(n)]
-    if len(gpus) < n:
-        return _fail_usage(f"--data_parallel_size {n} wants {n} devices; CUDA_VISIBLE_DEVICES lists {len(gpus)}")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def start_worker(cores):  # in the child: its cores, and SIGTERM when the parent dies (even by SIGKILL)
+        os.sched_setaffinity(0, cores)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     shards = [f"{FLAGS.output}.shard-{i}-of-{n}" for i in range(n)]
     workers = []
     for i, shard in enumerate(shards):
-        mine = cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n] or cpus[i % len(cpus):][:1]
+        mine = cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[i])
         cmd = [sys.executable, "-m", "engine.batch", *passed, f"--num_shards={n}", f"--shard_index={i}",
                f"--output={shard}"] + ([f"--summary_json={FLAGS.summary_json}.shard-{i}-of-{n}"]
                                        if FLAGS.summary_json else [])
-        workers.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda cores=mine: os.sched_setaffinity(0, cores)))
+        workers.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda cores=mine: start_worker(cores)))
 
     def forward(signum, frame):
         for w in workers:
@@ -169,14 +190,12 @@ def _data_parallel() -> int:
     codes = [w.wait() for w in workers]
     for code in codes:
         if code not in (0, EXIT_FAILED_LINES):
-            print(f"a worker exited {code}; rerun the same command to resume", file=sys.stderr)
+            code = 128 - code if code < 0 else code  # killed by a signal: the shell's convention
+            print(f"a worker exited {code}" + ("" if code == EXIT_USAGE else "; rerun the same command to resume"),
+                  file=sys.stderr)
             return code
-    try:
-        records = merge_shards(FLAGS.input, shards, FLAGS.output)
-    except (ValueError, OSError) as e:
-        return _fail_usage(str(e))
-    print(f"merged {records} records from {n} workers into {FLAGS.output}", file=sys.stderr)
-    return EXIT_FAILED_LINES if EXIT_FAILED_LINES in codes else 0
+    merged = _merge(shards)
+    return merged if merged != 0 else (EXIT_FAILED_LINES if EXIT_FAILED_LINES in codes else 0)
 
 
 if __name__ == "__main__":

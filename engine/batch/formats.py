@@ -205,6 +205,10 @@ def _parse_openai(obj: dict, line: int, mode: str) -> Job:
 # ---- output records ------------------------------------------------------------------------
 
 
+def duplicate_id_message(key: Any) -> str:
+    return f"duplicate id {key!r} (an earlier line has it)"
+
+
 def error_record(line: int, key: Any, message: str, openai: bool) -> dict:
     """The record of a line that failed: its line number, id and the reason."""
     if not openai:

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Iterator
 
-from engine.batch.formats import decode, line_key, record_key, record_line
+from engine.batch.formats import decode, duplicate_id_message, error_record, line_key, record_key, record_line
 
 
 @dataclasses.dataclass
@@ -122,18 +122,25 @@ class Writer:
         self._f.close()
 
 
-def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> int:
-    """Joins shard outputs (written in order, the default) into one file in input order; returns its records.
+def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> tuple[int, int]:
+    """Joins shard outputs (written in order, the default) into one file in input order.
 
     Line `n` of the input belongs to shard `(n - 1) % len(shard_paths)`; each
     shard's next record must be that line's (same id, or an error record of
-    that line number).
+    that line number). An id that an earlier line of another shard has gets
+    the duplicate-id error record a single run would have written.
+    Returns (records written, lines that ran in their shard but failed here as duplicates).
     Raises ValueError naming the first shard and line that do not match
-    (a shard not finished, run with --unordered, or of another input).
+    (a shard not finished, run with --unordered, or of another input), and
+    when the output is the input or a shard.
     """
+    target = os.path.abspath(output_path)
+    if target in {os.path.abspath(p) for p in [input_path, *shard_paths]}:
+        raise ValueError("--output must not be the input or a shard")
     n_shards = len(shard_paths)
     shards = [open(p, encoding="utf-8") for p in shard_paths]
-    written = 0
+    written = duplicates = 0
+    claimed = set()
     try:
         with open(output_path, "w", encoding="utf-8") as out:
             for line, text, _ in read_lines(input_path):
@@ -142,10 +149,14 @@ def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> i
                 if not raw.endswith("\n"):
                     raise ValueError(f"{shard_paths[shard]} ends before input line {line}: is the shard finished?")
                 record = json.loads(raw)
-                key, _ = line_key(decode(text))
+                key, openai = line_key(decode(text))
                 if record_line(record) != line and (record_line(record) is not None or record_key(record) != key):
                     raise ValueError(f"{shard_paths[shard]}: the record for input line {line} (id {key!r}) is not "
                                      "next; shards must be complete and written in order (not --unordered)")
+                if key is not None and key in claimed:
+                    duplicates += record_line(record) is None
+                    raw = json.dumps(error_record(line, key, duplicate_id_message(key), openai), ensure_ascii=False) + "\n"
+                claimed.add(key)
                 out.write(raw)
                 written += 1
             for path, f in zip(shard_paths, shards):
@@ -154,4 +165,4 @@ def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> i
     finally:
         for f in shards:
             f.close()
-    return written
+    return written, duplicates

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import jinja2
 
-from engine.batch.formats import (Job, LineError, decode, error_record, generate_record, line_key, parse_line,
+from engine.batch.formats import (Job, LineError, decode, duplicate_id_message, error_record, generate_record, line_key, parse_line,
                                   score_record)
 from engine.batch.io import Resume, Writer
 from engine.inputs import check_token_ids, encode_prompt
@@ -159,7 +159,7 @@ class BatchJob:
             return
         seq = self._next_seq()
         if key is not None and key in self._claimed:
-            self._fail(seq, line, key, f"duplicate id {key!r} (an earlier line has it)", openai)
+            self._fail(seq, line, key, duplicate_id_message(key), openai)
             return
         self._claimed.add(key)
         try:
