@@ -17,6 +17,11 @@ from typing import Iterator
 from engine.batch.formats import decode, duplicate_id_message, error_record, line_key, record_key, record_line
 
 
+def record_text(record: dict) -> str:
+    """One output line: the record as JSON (UTF-8 kept as is) and its newline."""
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
 @dataclasses.dataclass
 class Resume:
     """What an earlier run of the job already wrote: ids of lines that ran, and line numbers of error records."""
@@ -109,7 +114,7 @@ class Writer:
             self._next += 1
 
     def _write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._f.write(record_text(record))
         self._f.flush()
         self.written += 1
         if time.monotonic() - self._synced > 1.0:
@@ -155,7 +160,7 @@ def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> t
                                      "next; shards must be complete and written in order (not --unordered)")
                 if key is not None and key in claimed:
                     duplicates += record_line(record) is None
-                    raw = json.dumps(error_record(line, key, duplicate_id_message(key), openai), ensure_ascii=False) + "\n"
+                    raw = record_text(error_record(line, key, duplicate_id_message(key), openai))
                 claimed.add(key)
                 out.write(raw)
                 written += 1

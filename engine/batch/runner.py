@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 import jinja2
 
-from engine.batch.formats import (Job, LineError, decode, duplicate_id_message, error_record, generate_record, line_key, parse_line,
-                                  score_record)
+from engine.batch.formats import (Job, LineError, decode, duplicate_id_message, error_record, generate_record,
+                                  line_key, parse_line, score_record)
 from engine.batch.io import Resume, Writer
 from engine.inputs import check_token_ids, encode_prompt
 from engine.outputs import RequestOutput
