@@ -42,6 +42,9 @@ class EngineConfig:
     # quantizes them with per-column scales (meant for drafts: the output stays exact).
     kernel_dtype: str | None = None
     draft_kernel_dtype: str | None = None
+    # Devices the target's weights and KV pool split over (Megatron-style tensor parallelism; the draft or
+    # EAGLE head is replicated). `kv_cache_bytes` is per device.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -53,6 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got {getattr(self, name)!r}")
         if self.attention not in ("auto", "reference", "native", "pallas"):
             raise ValueError(f"attention must be 'auto', 'reference', 'native' or 'pallas', got {self.attention!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0 <= self.kv_watermark < 1:

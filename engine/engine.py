@@ -87,7 +87,7 @@ class Engine:
         self.config = config
         self.proposer = _proposer(draft, speculation, cfg, config)
         B = config.block_size
-        bytes_per_block = kv_bytes_per_block(cfg, B)
+        bytes_per_block = kv_bytes_per_block(cfg, B, config.tensor_parallel_size)
         if self.proposer is not None:
             bytes_per_block += self.proposer.bytes_per_block(B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)

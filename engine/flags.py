@@ -40,6 +40,9 @@ flags.DEFINE_integer("num_blocks", None, "KV pool size in blocks; default: sized
 flags.DEFINE_integer("kv_cache_bytes", 1 << 30, "KV pool bytes when --num_blocks is not set.")
 flags.DEFINE_integer("max_num_seqs", 64, "Most sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the target splits over (Megatron-style tensor "
+                     "parallelism). On CPU the host is split into that many XLA devices (a correctness path: "
+                     "CPU collectives are slow).")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
 
@@ -50,6 +53,11 @@ def llm_from_flags():
     Raises ValueError, KeyError or FileNotFoundError for an unknown model or
     draft, or bad engine limits (the apps print these and exit 2).
     """
+    import jax
+
+    if FLAGS.tensor_parallel_size > 1:
+        # Before the backend starts: where jax runs on the CPU, it shows this many host devices.
+        jax.config.update("jax_num_cpu_devices", max(FLAGS.tensor_parallel_size, jax.config.jax_num_cpu_devices))
     from engine import LLM  # after flag parsing: the jax import is slow
 
     return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,
@@ -58,4 +66,4 @@ def llm_from_flags():
                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-               max_model_len=FLAGS.max_model_len)
+               max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size)

@@ -30,20 +30,10 @@ import sys
 import numpy as np
 
 from model.config import ModelConfig
+from model.llama import kv_heads_per_device
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 SAMPLER_COPIES = 4  # [S, V] float32 arrays live at once while sampling: logits, scaled, exponentials, kept mask
-
-
-def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
-    """KV heads each device holds. Raises ValueError when neither count divides the other."""
-    if num_kv_heads >= tp:
-        if num_kv_heads % tp:
-            raise ValueError(f"{num_kv_heads} KV heads do not split over tensor_parallel_size {tp}")
-        return num_kv_heads // tp
-    if tp % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the {num_kv_heads} KV heads")
-    return 1
 
 
 def shard_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:

@@ -33,7 +33,7 @@ from engine.proposers import Proposer
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_verify_step
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
-                         make_step, scatter_blocks)
+                         make_step, replicate, scatter_blocks, tensor_parallel_mesh)
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import Request, SamplingParams
@@ -194,15 +194,18 @@ class ModelRunner:
         self.config = config
         self.proposer = proposer
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype)
+        self.mesh = tensor_parallel_mesh(config.tensor_parallel_size)
+        self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype, self.mesh)
         if proposer is not None:
             self.packed_bytes += proposer.packed_bytes
+            if proposer.on_device:
+                proposer.state = replicate(proposer.state, self.mesh)
         if self.packed_bytes:
             log.info("CPU kernel weights: %.0f MB more for the packed copies", self.packed_bytes / 1e6)
         B = config.block_size
         # The target's KV pool, then the proposer's pools (a draft's KV; an EAGLE head's KV and features).
-        self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B),
-                             *(proposer.pools(num_blocks, B) if proposer is not None else ()))
+        self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B, self.mesh),
+                             *replicate(proposer.pools(num_blocks, B) if proposer is not None else (), self.mesh))
         # The compiled shapes: every program is specialised to one of these.
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)

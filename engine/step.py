@@ -12,6 +12,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 import cpu_kernels
@@ -19,7 +20,9 @@ from engine.sampler import sample
 from model.config import ModelConfig
 from pallas_kernels.reference import ragged_paged_attention_reference
 from model.eagle import FC, EagleHead
-from model.llama import Llama
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from model.llama import TP_AXIS, Llama, kv_heads_per_device
 from scheduler.request import MAX_LOGPROBS
 
 
@@ -72,15 +75,17 @@ class Weights:
         return jax.tree.unflatten(treedef, leaves)
 
 
-def build_model(loaded, config, kernel_dtype: str | None = None):
+def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
     (a `LoadedModel`), with the CPU kernel's packed weights when
     `config.matmul` (an `EngineConfig`) is "auto" on CPU and the kernel loads (`kernel_dtype`: their dtype, default the
-    model's), and AMX copies where the CPU has AMX. Returns (graphdef, `Weights` of the state, bytes of the packed copies)."""
+    model's), and AMX copies where the CPU has AMX. With `mesh` (a target under tensor parallelism) the `Llama`'s
+    weights are split over it and XLA's dot runs the products. Returns (graphdef, `Weights` of the state, bytes of
+    the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
-             else Llama(loaded.config, params=loaded.params))
+             else Llama(loaded.config, params=loaded.params, mesh=mesh))
     packed = 0
-    if config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
+    if mesh is None and config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
         dtype = kernel_dtype or loaded.config.dtype
         # bf16 kernel weights: one bf16 pass; fp32: three (close to fp32); int8 (a draft kept small): none.
         if cpu_kernels.amx_available() and dtype != "int8":
@@ -91,9 +96,27 @@ def build_model(loaded, config, kernel_dtype: str | None = None):
     return graphdef, Weights.of(state), packed
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int) -> int:
-    """Bytes of one KV block over all of `cfg`'s layers (K and V)."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, tp: int = 1) -> int:
+    """Bytes of one KV block over all of `cfg`'s layers (K and V) on each of `tp` devices."""
+    heads = kv_heads_per_device(cfg.num_kv_heads, tp) if tp > 1 else cfg.num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+
+
+def tensor_parallel_mesh(tp: int) -> Mesh | None:
+    """A one-axis (`TP_AXIS`) mesh over the first `tp` devices, or None for `tp` 1. Raises ValueError when
+    fewer devices are visible."""
+    if tp == 1:
+        return None
+    devices = jax.devices()
+    if len(devices) < tp:
+        raise ValueError(f"tensor_parallel_size {tp} needs {tp} devices; {len(devices)} visible ({devices[0].platform})")
+    return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+
+
+def replicate(tree, mesh: Mesh | None):
+    """`tree`'s arrays copied whole onto every device of `mesh` (unchanged without one): the draft and its
+    pools beside a tensor parallel target."""
+    return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 @struct.dataclass
@@ -104,9 +127,17 @@ class KVPool:
     v: jax.Array  # [L, P, B, K, D]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int) -> "KVPool":
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    def zeros(cls, cfg: ModelConfig, num_blocks: int, block_size: int, mesh: Mesh | None = None) -> "KVPool":
+        """An empty pool; with `mesh`, split over its KV-head axis (`K` = `kv_heads_per_device` x the axis
+        size: a KV head replicated over several devices has a copy on each), each device allocating its own."""
+        if mesh is None:
+            shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+        tp = mesh.shape[TP_AXIS]
+        shape = (cfg.num_layers, num_blocks, block_size, kv_heads_per_device(cfg.num_kv_heads, tp) * tp, cfg.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(shape, cfg.dtype),
+                        out_shardings=NamedSharding(mesh, P(None, None, None, TP_AXIS, None)))
+        return cls(zeros(), zeros())
 
 
 @struct.dataclass

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import cpu_kernels
 from model.config import ModelConfig
@@ -117,23 +118,89 @@ def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | N
     return total
 
 
+TP_AXIS = "tp"  # the mesh axis tensor parallelism splits over
+
+
+def kv_heads_per_device(num_kv_heads: int, tp: int) -> int:
+    """KV heads each of `tp` devices holds: K / tp, or 1 when K < tp (each KV head then lives on tp / K
+    devices, beside the query heads that read it, as vLLM replicates them). Raises ValueError when neither
+    count divides the other."""
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over tensor_parallel_size {tp}")
+        return num_kv_heads // tp
+    if tp % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the {num_kv_heads} KV heads")
+    return 1
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Raises ValueError unless `cfg` splits over `tp` devices: query heads and the intermediate size
+    divide by `tp`, the KV heads as `kv_heads_per_device` needs, and no partial output head."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if cfg.num_heads % tp or cfg.intermediate_size % tp:
+        raise ValueError(f"{cfg.name}: {cfg.num_heads} heads and intermediate size {cfg.intermediate_size} "
+                         f"must be multiples of tensor_parallel_size {tp}")
+    kv_heads_per_device(cfg.num_kv_heads, tp)
+    if tp > 1 and cfg.head_vocab_size:
+        raise ValueError(f"{cfg.name}: a partial output head (head_vocab_size) runs on one device, not sharded")
+
+
+def _shard_major_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: tuple[int, int, int], tp: int) -> np.ndarray:
+    """Concatenates Q, K and V projections (`[..., H*D]`, `[..., K*D]`, `[..., K*D]`) shard by shard: device i's
+    columns are its H/tp query heads, then the KV heads they read (`kv_heads_per_device`), so a column split of
+    the result gives each device a whole QKV projection of its own heads (Megatron-LM, Shoeybi et al. 2019, §3)."""
+    H, K, D = heads
+    if tp == 1:
+        return np.concatenate([q, k, v], axis=-1)
+    hl, kl = H // tp, kv_heads_per_device(K, tp)
+    parts = []
+    for i in range(tp):
+        first_kv = i * kl if K >= tp else i // (tp // K)
+        kv_cols = slice(first_kv * D, (first_kv + kl) * D)
+        parts += [q[..., i * hl * D:(i + 1) * hl * D], k[..., kv_cols], v[..., kv_cols]]
+    return np.concatenate(parts, axis=-1)
+
+
+def _shard_major_pair(a: np.ndarray, b: np.ndarray, tp: int) -> np.ndarray:
+    """Gate and up projections concatenated shard by shard (device i: its F/tp gate columns, then up's)."""
+    n = a.shape[-1] // tp
+    return np.concatenate([x[..., i * n:(i + 1) * n] for i in range(tp) for x in (a, b)], axis=-1)
+
+
+# How each weight splits over the TP axis (Megatron-LM §3): QKV and gate/up by output columns, o and down
+# by input rows (their partial sums meet in one all-reduce each), the embedding and the output head by
+# vocabulary; norms and RoPE are whole on every device.
+_TP_SPECS = {"wqkv": P(None, TP_AXIS), "bqkv": P(TP_AXIS), "w_gate_up": P(None, TP_AXIS), "wo": P(TP_AXIS, None),
+             "w_down": P(TP_AXIS, None), "embed": P(TP_AXIS, None), "lm_head": P(None, TP_AXIS)}
+
+
+def tp_spec(name: str) -> P:
+    """The `PartitionSpec` of weight `name` (a `Llama` attribute) under tensor parallelism."""
+    return _TP_SPECS.get(name, P())
+
+
 class Block(nnx.Module):
     """One decoder layer's weights, sliced from the stacked `param_specs` arrays.
 
     Q, K and V (and gate and up) projections are stored concatenated, so a
     layer runs 4 matmuls instead of 7: fewer, larger dots keep XLA:CPU closer
-    to memory bandwidth at decode batch sizes.
+    to memory bandwidth at decode batch sizes. Under tensor parallelism over
+    `tp` devices the concatenation is shard-major (`_shard_major_qkv`), and
+    `put` places each array on the mesh.
     """
 
-    def __init__(self, w: dict[str, np.ndarray]):
-        self.attn_norm = nnx.Param(jnp.asarray(w["attn_norm"]))
-        self.wqkv = nnx.Param(jnp.asarray(np.concatenate([w["wq"], w["wk"], w["wv"]], axis=-1)))
+    def __init__(self, w: dict[str, np.ndarray], heads: tuple[int, int, int], tp: int = 1,
+                 put: Callable[[str, np.ndarray], jax.Array] = lambda name, a: jnp.asarray(a)):
+        self.attn_norm = nnx.Param(put("attn_norm", w["attn_norm"]))
+        self.wqkv = nnx.Param(put("wqkv", _shard_major_qkv(w["wq"], w["wk"], w["wv"], heads, tp)))
         if "bq" in w:
-            self.bqkv = nnx.Param(jnp.asarray(np.concatenate([w["bq"], w["bk"], w["bv"]], axis=-1)))
-        self.wo = nnx.Param(jnp.asarray(w["wo"]))
-        self.mlp_norm = nnx.Param(jnp.asarray(w["mlp_norm"]))
-        self.w_gate_up = nnx.Param(jnp.asarray(np.concatenate([w["w_gate"], w["w_up"]], axis=-1)))
-        self.w_down = nnx.Param(jnp.asarray(w["w_down"]))
+            self.bqkv = nnx.Param(put("bqkv", _shard_major_qkv(w["bq"], w["bk"], w["bv"], heads, tp)))
+        self.wo = nnx.Param(put("wo", w["wo"]))
+        self.mlp_norm = nnx.Param(put("mlp_norm", w["mlp_norm"]))
+        self.w_gate_up = nnx.Param(put("w_gate_up", _shard_major_pair(w["w_gate"], w["w_up"], tp)))
+        self.w_down = nnx.Param(put("w_down", w["w_down"]))
 
 
 class Llama(nnx.Module):
@@ -147,8 +214,11 @@ class Llama(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None,
-                 params: dict[str, np.ndarray] | None = None):
+                 params: dict[str, np.ndarray] | None = None, mesh: Mesh | None = None):
         self.cfg = cfg
+        tp = 1 if mesh is None else mesh.shape[TP_AXIS]
+        check_tensor_parallel(cfg, tp)
+        self.mesh = mesh if tp > 1 else None
         dtype = jnp.dtype(cfg.dtype)
         specs = param_specs(cfg)
         if params is not None:
@@ -175,18 +245,24 @@ class Llama(nnx.Module):
                 weights[name] = np.ones(shape, dtype)
             else:
                 weights[name] = np.asarray(0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-        self.embed = nnx.Param(jnp.asarray(weights["embed"]))
-        self.final_norm = nnx.Param(jnp.asarray(weights["final_norm"]))
+        if self.mesh is None:
+            put = lambda name, a: jnp.asarray(a)
+        else:  # each device receives only its shard
+            put = lambda name, a: jax.device_put(a, NamedSharding(self.mesh, tp_spec(name)))
+        vocab_pad = -cfg.vocab_size % tp  # the vocabulary split evenly; padded rows are never looked up
+        self.embed = nnx.Param(put("embed", np.pad(weights["embed"], ((0, vocab_pad), (0, 0)))))
+        self.final_norm = nnx.Param(put("final_norm", weights["final_norm"]))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(jnp.asarray(weights["lm_head"]))
+            self.lm_head = nnx.Param(put("lm_head", np.pad(weights["lm_head"], ((0, 0), (0, vocab_pad)))))
         if cfg.head_vocab_size:  # frozen (not Params): the head rows are the embedding's at build time
             self.head_ids = nnx.Variable(jnp.asarray(weights["head_ids"]))
             head = weights["embed"] if cfg.tie_word_embeddings else weights["lm_head"].T
             self.head = nnx.Variable(jnp.asarray(head[weights["head_ids"]]))
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.layers = nnx.List([
-            Block({n: weights[n][i] for n in LAYER_PARAMS if n in weights})
+            Block({n: weights[n][i] for n in LAYER_PARAMS if n in weights}, heads, tp, put)
             for i in range(cfg.num_layers)])
-        self.inv_freq = nnx.Variable(jnp.asarray(rope_inv_freq(cfg)))
+        self.inv_freq = nnx.Variable(put("inv_freq", rope_inv_freq(cfg)))
 
     # ---- the CPU kernel for skinny products -------------------------------------------------
 
@@ -199,8 +275,11 @@ class Llama(nnx.Module):
         (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 1, bf16), else XLA's dot on the original weights
         (the choice is made at trace time from static shapes).
 
-        Returns the bytes the packed copies take. Call before `nnx.split`.
+        Returns the bytes the packed copies take. Call before `nnx.split`. Raises ValueError on a tensor
+        parallel model (the kernels take whole weights on one device).
         """
+        if self.mesh is not None:
+            raise ValueError("the CPU kernels' packed weights are for one device; tensor parallel runs use XLA's dot")
         total = 0
         for lp in self.layers:
             for name in self.LINEARS:
@@ -246,8 +325,11 @@ class Llama(nnx.Module):
     def to_params(self) -> dict[str, np.ndarray]:
         """The weights as `param_specs` arrays (numpy, the model's dtype): the inverse of `Llama(cfg, params=...)`.
 
-        Splits the fused QKV and gate/up projections back into their parts.
+        Splits the fused QKV and gate/up projections back into their parts. Raises ValueError on a tensor
+        parallel model (its fused weights are in shard-major order).
         """
+        if self.mesh is not None:
+            raise ValueError("to_params: build the model on one device (tensor parallel weights are shard-major)")
         cfg = self.cfg
         q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         stack = lambda name: np.stack([np.asarray(getattr(lp, name)[...]) for lp in self.layers])
@@ -273,16 +355,49 @@ class Llama(nnx.Module):
           token_ids: int32 `[T]`.
           positions: int32 `[T]`, each token's position in its sequence.
           attend: the attention function (see `AttendFn`); it owns the KV cache.
-          cache: the KV cache pytree threaded through the layers (e.g. the KV pool).
+          cache: the KV cache pytree threaded through the layers (e.g. the KV pool). Under tensor
+            parallelism every leaf is `[..., K, D]` and is split over its KV-head axis.
           inputs_embeds: `[T, E]` to feed the first layer instead of the token embeddings (the EAGLE head).
         Returns:
           (hidden states `[T, E]` after the final norm, updated cache).
+
+        With a mesh, the layers run per device under `shard_map` (Megatron-LM, Shoeybi et al. 2019, §3):
+        each device holds its query heads, the KV heads they read (its share of the pool) and its slice of
+        the MLP, `attend` runs on those heads alone, and the o and down projections' partial sums meet in
+        one all-reduce each; the hidden states come back whole on every device.
         """
+        if self.mesh is None:
+            return self._layers(token_ids, positions, attend, cache, inputs_embeds)
+        graphdef, state = nnx.split(self)
+        cache_specs = jax.tree.map(lambda c: P(*([None] * (c.ndim - 2)), TP_AXIS, None), cache)
+
+        def body(state, token_ids, positions, cache, inputs_embeds):
+            return nnx.merge(graphdef, state)._layers(token_ids, positions, attend, cache, inputs_embeds, TP_AXIS)
+
+        return jax.shard_map(body, mesh=self.mesh, in_specs=(_state_specs(state), P(), P(), cache_specs, P()),
+                             out_specs=(P(), cache_specs))(state, token_ids, positions, cache, inputs_embeds)
+
+    def _embed(self, token_ids: jax.Array, tp_axis: str | None) -> jax.Array:
+        """Token embeddings `[T, E]`; on a device holding a slice of the vocabulary, rows outside it are zeros
+        and the all-reduce fills them in (each row is nonzero on exactly one device, so the sum is exact)."""
+        table = self.embed[...]
+        if tp_axis is None:
+            return jnp.take(table, token_ids, axis=0)
+        local = token_ids - jax.lax.axis_index(tp_axis) * table.shape[0]
+        mine = (local >= 0) & (local < table.shape[0])
+        rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+        return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), tp_axis)
+
+    def _layers(self, token_ids, positions, attend, cache, inputs_embeds, tp_axis: str | None = None):
+        """`__call__` on this device's weights; `tp_axis` names the mesh axis to all-reduce over (inside
+        `shard_map`), None on one device."""
         cfg = self.cfg
-        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        tp = 1 if tp_axis is None else self.mesh.shape[TP_AXIS]
+        H, K, D = cfg.num_heads // tp, kv_heads_per_device(cfg.num_kv_heads, tp), cfg.head_dim
         T = token_ids.shape[0]
+        reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
         cos, sin = rope_angles(positions, self.inv_freq[...])
-        x = jnp.take(self.embed[...], token_ids, axis=0) if inputs_embeds is None else inputs_embeds
+        x = self._embed(token_ids, tp_axis) if inputs_embeds is None else inputs_embeds
         for index, lp in enumerate(self.layers):
             with jax.named_scope("attention"):
                 h = rms_norm(x, lp.attn_norm[...], cfg.rms_norm_eps)
@@ -293,11 +408,11 @@ class Llama(nnx.Module):
                 q = apply_rope(q.reshape(T, H, D), cos, sin)
                 k = apply_rope(k.reshape(T, K, D), cos, sin)
                 out, cache = attend(q, k, v.reshape(T, K, D), index, cache)
-                x = x + self._linear(out.reshape(T, H * D).astype(x.dtype), lp, "wo")
+                x = x + reduce(self._linear(out.reshape(T, H * D).astype(x.dtype), lp, "wo"))
             with jax.named_scope("mlp"):
                 h = rms_norm(x, lp.mlp_norm[...], cfg.rms_norm_eps)
                 gate, up = jnp.split(self._linear(h, lp, "w_gate_up"), 2, axis=-1)
-                x = x + self._linear(jax.nn.silu(gate) * up, lp, "w_down")
+                x = x + reduce(self._linear(jax.nn.silu(gate) * up, lp, "w_down"))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -306,6 +421,8 @@ class Llama(nnx.Module):
         With `cfg.head_vocab_size`, only the `head_ids` columns are computed; the
         others are -1e30 (probability exactly 0 after softmax, finite under temperature).
         """
+        if self.mesh is not None:
+            return self._sharded_logits(hidden)
         amx = self._amx(self, "head")
         if self._skinny(hidden):
             out = cpu_kernels.skinny_matmul(hidden, self._packed(self, "head"))
@@ -319,6 +436,19 @@ class Llama(nnx.Module):
             return out
         full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)
         return full.at[:, self.head_ids[...]].set(out, indices_are_sorted=True, unique_indices=True)
+
+    def _sharded_logits(self, hidden: jax.Array) -> jax.Array:
+        """`logits` of a vocabulary split over the mesh: each device's slice of the head, gathered whole."""
+        graphdef, state = nnx.split(self)
+
+        def body(state, hidden):
+            local = nnx.merge(graphdef, state)._full_head_dot(hidden)
+            return jax.lax.all_gather(local, TP_AXIS, axis=1, tiled=True)
+
+        # check_vma off: the tiled all_gather's result is the same on every device, which the check cannot see.
+        logits = jax.shard_map(body, mesh=self.mesh, in_specs=(_state_specs(state), P()), out_specs=P(),
+                               check_vma=False)(state, hidden)
+        return logits[:, :self.cfg.vocab_size]
 
     def _full_head_dot(self, hidden: jax.Array) -> jax.Array:
         """float32 logits `[N, V]` of the whole vocabulary by XLA's dot."""
@@ -354,6 +484,15 @@ class Llama(nnx.Module):
         hidden, _ = self(token_ids.reshape(-1), positions,
                          lambda q, k, v, _, c: (dense_attention(q, k, v, positions, segments), c), None)
         return self.logits(hidden).reshape(S, Lq, -1)
+
+
+def _state_specs(state) -> object:
+    """`state`'s structure with each weight's `tp_spec` (by its attribute name) at the leaves."""
+    def spec(path, _):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        return tp_spec(next((n for n in reversed(names) if isinstance(n, str) and n != "value"), ""))
+
+    return jax.tree_util.tree_map_with_path(spec, state)
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
