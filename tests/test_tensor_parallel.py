@@ -1,0 +1,169 @@
+"""Tensor parallelism on CPU host devices: the sharded model and engine against one device.
+
+Each check runs in a subprocess: the host device count is fixed when jax starts its CPU backend.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from benchmarks.baselines import prompts_dir
+from model.config import get_preset
+from model.llama import Llama, check_tensor_parallel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_on_devices(code: str, devices: int, timeout: int = 900, **values):
+    """Runs `code` in a fresh interpreter with `devices` CPU devices and `values` as globals (by repr);
+    returns the JSON it prints last."""
+    prelude = f"import jax\njax.config.update('jax_num_cpu_devices', {devices})\n"
+    prelude += "".join(f"{name} = {value!r}\n" for name, value in values.items())
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_logits_and_greedy_tokens_equal_one_device():
+    # tiny-llama: 4 query heads over 2 KV heads, so tp 4 replicates each KV head on two devices; the Qwen2
+    # variant (QKV bias, tied embeddings) has 8 over 2. Vocabulary 250 does not split over 4: padded.
+    result = run_on_devices("""
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from checkpoints import LoadedModel, load_model
+        from engine import LLM
+        from engine.step import tensor_parallel_mesh
+        from model.llama import Llama
+        from scheduler.request import SamplingParams
+
+        out = {}
+        configs = {"tiny-llama": load_model("tiny-llama").config.replace(vocab_size=250),
+                   "tiny-qwen2": load_model("tiny-qwen2").config.replace(num_heads=8, head_dim=6)}
+        rng = np.random.default_rng(0)
+        for name, cfg in configs.items():
+            base = Llama(cfg, rngs=nnx.Rngs(0))
+            params = base.to_params()
+            ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 9)), jnp.int32)
+            dense = jax.jit(lambda m, x: m.dense_logits(x))
+            ref = np.asarray(dense(base, ids))
+            loaded = LoadedModel(cfg, params, load_model("tiny-llama").tokenizer)
+            prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2)]
+            tokens = {}
+            for tp in (1, 2, 4):
+                sharded = Llama(cfg, params=params, mesh=tensor_parallel_mesh(tp))
+                out[f"{name} tp{tp} logits"] = float(np.abs(np.asarray(dense(sharded, ids)) - ref).max())
+                for spec, draft in ((None, None), ("draft", loaded)):  # n-gram: in the real model's test
+                    llm = LLM(loaded, speculative=spec, draft_model=draft, tensor_parallel_size=tp, num_blocks=64,
+                              max_num_batched_tokens=32, max_num_seqs=4)
+                    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))]
+                    out[f"{name} tp{tp} {spec} tokens"] = got
+        print(json.dumps(out))
+    """, devices=4)
+    for name in ("tiny-llama", "tiny-qwen2"):
+        for tp in (2, 4):
+            assert result[f"{name} tp{tp} logits"] < 1e-5, (name, tp)
+            for spec in ("None", "draft"):
+                assert result[f"{name} tp{tp} {spec} tokens"] == result[f"{name} tp1 None tokens"], (name, tp, spec)
+        assert all(len(t) == 10 for t in result[f"{name} tp1 None tokens"])
+
+
+def test_sharded_pool_and_weights_hold_the_planned_bytes_and_compile_once():
+    result = run_on_devices("""
+        import json
+        import jax, numpy as np
+        from flax import nnx
+        from engine import LLM
+        from engine.plan import memory_plan
+        from model.llama import Llama
+        from scheduler.request import SamplingParams
+
+        llm = LLM("tiny-llama", speculative=None, tensor_parallel_size=4, num_blocks=32, block_size=16,
+                  max_num_seqs=4, max_num_batched_tokens=32)
+        eng = llm.engine
+        runner = eng.runner
+        model = Llama(eng.model_config, rngs=nnx.Rngs(0), mesh=runner.mesh)
+        weights = [0] * 4
+        for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
+            for s in x.addressable_shards:
+                weights[s.device.id] += s.data.nbytes
+        pool = runner.pools[0]
+        kv = [0] * 4
+        for x in (pool.k, pool.v):
+            for s in x.addressable_shards:
+                kv[s.device.id] += s.data.nbytes
+        eng.precompile()
+        llm.generate(["warm"], SamplingParams(temperature=0.5, max_tokens=2))
+        before = eng.compilation_count()
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, 256, n).tolist() for n in (3, 9, 31, 45)]
+        params = [SamplingParams(temperature=t, max_tokens=m, seed=s) for t, m, s in
+                  [(0, 5, None), (0.7, 9, 1), (1.2, 3, 2), (0, 12, None)]]
+        llm.generate(prompts, params)
+        plan = memory_plan(llm.engine.model_config, 4, block_size=16)
+        print(json.dumps({"weights": weights, "planned_weights": plan.weight_bytes, "kv": kv,
+                          "planned_kv": 32 * 16 * plan.kv_bytes_per_token, "pool_heads": pool.k.shape[3],
+                          "compiled": eng.compilation_count() - before}))
+    """, devices=4)
+    assert result["weights"] == [result["planned_weights"]] * 4
+    assert result["kv"] == [result["planned_kv"]] * 4
+    assert result["pool_heads"] == 4  # 2 KV heads, each on two of the 4 devices
+    assert result["compiled"] == 0
+
+
+def test_splits_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match="multiples of tensor_parallel_size 2"):
+        check_tensor_parallel(get_preset("smollm2-135m"), 2)  # 9 query heads
+    with pytest.raises(ValueError, match="multiple of the 2 KV heads"):
+        check_tensor_parallel(get_preset("tiny-llama").replace(num_heads=6, intermediate_size=96), 3)
+    with pytest.raises(ValueError, match="partial output head"):
+        check_tensor_parallel(get_preset("tiny-llama").replace(head_vocab_size=64), 2)
+    result = run_on_devices("""
+        import json
+        from engine import LLM
+        try:
+            LLM("tiny-llama", speculative=None, tensor_parallel_size=4, num_blocks=8)
+        except ValueError as e:
+            print(json.dumps(str(e)))
+    """, devices=2)
+    assert "tensor_parallel_size 4 needs 4 devices; 2 visible" in result
+
+
+def _chat_prompts(n: int) -> list[str]:
+    path = prompts_dir()
+    if path is not None:
+        with open(os.path.join(path, "chat.jsonl")) as f:
+            return [json.loads(line)["prompt"] for line in f][:n]
+    return [f"Question {i}: name a prime number above {10 * i}, and say why it is prime." for i in range(n)]
+
+
+def test_real_model_greedy_output_equal_over_three_devices():
+    # SmolLM2-135M: 9 query heads and 3 KV heads, so 3 devices (3 query heads and 1 KV head each).
+    result = run_on_devices("""
+        import json
+        from checkpoints import load_model
+        from checkpoints.draft import DEFAULT_EAGLE, load_draft
+        from engine import LLM
+        from scheduler.request import SamplingParams
+
+        loaded = load_model("smollm2-135m-instruct")
+        eagle = load_draft(DEFAULT_EAGLE, loaded)
+        prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+        out = {}
+        for spec in (None, "ngram", "eagle"):
+            for tp in (1, 3):
+                llm = LLM(loaded, speculative=spec, draft_model=eagle if spec == "eagle" else None,
+                          tensor_parallel_size=tp, max_num_seqs=8, num_blocks=256)
+                out[f"{spec} {tp}"] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))]
+        print(json.dumps(out))
+    """, devices=3, PROMPTS=_chat_prompts(10))
+    for spec in ("None", "ngram", "eagle"):
+        assert result[f"{spec} 3"] == result[f"{spec} 1"], spec
+        assert result[f"{spec} 1"] == result["None 1"]
+    assert len(result["None 1"]) == 10 and all(len(t) == 16 for t in result["None 1"])
