@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
 from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming
+from engine.distributed import seed_source
 from engine.step import kv_bytes_per_block
 from engine.scoring import ScoreOutput
 from engine.step import Sampled
@@ -108,6 +108,7 @@ class Engine:
             self.proposer.costs = StepCosts(self.runner.token_buckets, self.runner.seq_buckets)
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._states: dict[str, RequestState] = {}
+        self._draw_seed = seed_source()
         self._samples: dict[str, list[Request]] = {}  # n > 1 requests after their fork: the samples
         self.stats = EngineStats()
         self.on_step: Callable[[StepTiming], None] | None = None
@@ -160,7 +161,7 @@ class Engine:
         request = Request([int(t) for t in prompt_token_ids], sampling, self.eos_token_ids, **kwargs)
         if request.request_id in self._states or request.request_id in self._samples:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        seed = sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        seed = sampling.seed if sampling.seed is not None else self._draw_seed()
         self._track(request, seed, [] if sampling.logprobs is not None else None)
         self.scheduler.add(request)
         return request

@@ -43,8 +43,16 @@ flags.DEFINE_integer("max_num_batched_tokens", 512, "Token budget per step.")
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the target splits over (Megatron-style tensor "
                      "parallelism). On CPU the host is split into that many XLA devices (a correctness path: "
                      "CPU collectives are slow).")
+# Several hosts (`jax.distributed`): every process runs this same command with its own --process_id.
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator (several processes).")
+flags.DEFINE_integer("num_processes", 1, "Processes (hosts) the mesh spans; > 1 starts jax.distributed.")
+flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processes - 1.")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
+
+
+ONE_HOST = ("runs on one host (its requests reach one process); over several processes run "
+            "`python -m engine.generate` or `LLM.generate` with the same inputs in every process")
 
 
 def llm_from_flags():
@@ -55,7 +63,12 @@ def llm_from_flags():
     """
     import jax
 
-    if FLAGS.tensor_parallel_size > 1:
+    if FLAGS.num_processes > 1:
+        from engine.distributed import initialize
+
+        initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                   local_cpu_devices=-(-FLAGS.tensor_parallel_size // FLAGS.num_processes))
+    elif FLAGS.tensor_parallel_size > 1:
         # Before the backend starts: where jax runs on the CPU, it shows this many host devices.
         jax.config.update("jax_num_cpu_devices", max(FLAGS.tensor_parallel_size, jax.config.jax_num_cpu_devices))
     from engine import LLM  # after flag parsing: the jax import is slow

@@ -31,6 +31,7 @@ def main(argv):
         print("error: --prompt is required and must not be empty", file=sys.stderr)
         return 2
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
+    import jax
     from engine import InvalidRequestError, SamplingParams  # after flag parsing: jax import is slow
 
     try:
@@ -40,12 +41,15 @@ def main(argv):
         params.validate()
         llm = llm_from_flags()
         prompt = [{"role": "user", "content": FLAGS.prompt}] if FLAGS.chat else FLAGS.prompt
+        lead = jax.process_index() == 0  # over several processes, the first prints
         outputs = llm.generate([prompt], params,
-                               on_output=lambda _, out: print(out.delta_text, end="", flush=True))
+                               on_output=lambda _, out: lead and print(out.delta_text, end="", flush=True))
     except (InvalidRequestError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"\nerror: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
     out = outputs[0]
+    if not lead:
+        return 0
     spec = f" acceptance_rate={out.acceptance_rate:.2f}" if out.acceptance_rate is not None else ""
     print(f"\n[finish_reason={out.finish_reason} tokens={len(out.token_ids)} "
           f"tokens_per_step={out.tokens_per_step:.2f}{spec}]", file=sys.stderr)

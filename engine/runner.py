@@ -29,6 +29,7 @@ import cpu_kernels
 
 from engine.compilation import maps_left
 from engine.config import EngineConfig
+from engine.distributed import check_same_batch
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_verify_step
@@ -268,6 +269,7 @@ class ModelRunner:
         Fills `timing`'s shape, `to_device` and `device` fields if given.
         """
         t0 = time.perf_counter()
+        check_same_batch(packed)
         batch = StepBatch.from_packed(packed)
         spec = SpecBatch.from_packed(packed.spec) if spec_k is not None else None
         t1 = time.perf_counter()

@@ -17,7 +17,7 @@ import time
 
 from absl import app, flags, logging
 
-from engine.flags import FLAGS, llm_from_flags
+from engine.flags import FLAGS, ONE_HOST, llm_from_flags
 
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::] for every interface).")
 flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one.")
@@ -78,6 +78,9 @@ def main(argv):
         except (ValueError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file}: {e}")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
+    if FLAGS.num_processes > 1:
+        print(f"error: the gRPC server {ONE_HOST}", file=sys.stderr)
+        return 2
     try:
         limits = ServingLimits(FLAGS.max_request_bytes, FLAGS.max_score_inputs, FLAGS.max_score_tokens)
         llm = llm_from_flags()

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 import cpu_kernels
 from model.config import ModelConfig
@@ -147,26 +147,32 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         raise ValueError(f"{cfg.name}: a partial output head (head_vocab_size) runs on one device, not sharded")
 
 
+def _np(a):
+    """numpy for checkpoint and concrete arrays (host memory: a large model never sits whole on a device),
+    jax.numpy for traced ones (`abstract_model`)."""
+    return jnp if isinstance(a, jax.core.Tracer) else np
+
+
 def _shard_major_qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: tuple[int, int, int], tp: int) -> np.ndarray:
     """Concatenates Q, K and V projections (`[..., H*D]`, `[..., K*D]`, `[..., K*D]`) shard by shard: device i's
     columns are its H/tp query heads, then the KV heads they read (`kv_heads_per_device`), so a column split of
     the result gives each device a whole QKV projection of its own heads (Megatron-LM, Shoeybi et al. 2019, §3)."""
     H, K, D = heads
     if tp == 1:
-        return np.concatenate([q, k, v], axis=-1)
+        return _np(q).concatenate([q, k, v], axis=-1)
     hl, kl = H // tp, kv_heads_per_device(K, tp)
     parts = []
     for i in range(tp):
         first_kv = i * kl if K >= tp else i // (tp // K)
         kv_cols = slice(first_kv * D, (first_kv + kl) * D)
         parts += [q[..., i * hl * D:(i + 1) * hl * D], k[..., kv_cols], v[..., kv_cols]]
-    return np.concatenate(parts, axis=-1)
+    return _np(q).concatenate(parts, axis=-1)
 
 
 def _shard_major_pair(a: np.ndarray, b: np.ndarray, tp: int) -> np.ndarray:
     """Gate and up projections concatenated shard by shard (device i: its F/tp gate columns, then up's)."""
     n = a.shape[-1] // tp
-    return np.concatenate([x[..., i * n:(i + 1) * n] for i in range(tp) for x in (a, b)], axis=-1)
+    return _np(a).concatenate([x[..., i * n:(i + 1) * n] for i in range(tp) for x in (a, b)], axis=-1)
 
 
 # How each weight splits over the TP axis (Megatron-LM §3): QKV and gate/up by output columns, o and down
@@ -244,16 +250,19 @@ class Llama(nnx.Module):
             elif name.endswith("norm"):
                 weights[name] = np.ones(shape, dtype)
             else:
-                weights[name] = np.asarray(0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+                weights[name] = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
         if self.mesh is None:
             put = lambda name, a: jnp.asarray(a)
+        elif isinstance(self.mesh, AbstractMesh):  # shapes only (`abstract_model`)
+            put = lambda name, a: a
         else:  # each device receives only its shard
             put = lambda name, a: jax.device_put(a, NamedSharding(self.mesh, tp_spec(name)))
         vocab_pad = -cfg.vocab_size % tp  # the vocabulary split evenly; padded rows are never looked up
-        self.embed = nnx.Param(put("embed", np.pad(weights["embed"], ((0, vocab_pad), (0, 0)))))
+        pad = lambda a, widths: _np(a).pad(a, widths)
+        self.embed = nnx.Param(put("embed", pad(weights["embed"], ((0, vocab_pad), (0, 0)))))
         self.final_norm = nnx.Param(put("final_norm", weights["final_norm"]))
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Param(put("lm_head", np.pad(weights["lm_head"], ((0, 0), (0, vocab_pad)))))
+            self.lm_head = nnx.Param(put("lm_head", pad(weights["lm_head"], ((0, 0), (0, vocab_pad)))))
         if cfg.head_vocab_size:  # frozen (not Params): the head rows are the embedding's at build time
             self.head_ids = nnx.Variable(jnp.asarray(weights["head_ids"]))
             head = weights["embed"] if cfg.tie_word_embeddings else weights["lm_head"].T
@@ -374,8 +383,10 @@ class Llama(nnx.Module):
         def body(state, token_ids, positions, cache, inputs_embeds):
             return nnx.merge(graphdef, state)._layers(token_ids, positions, attend, cache, inputs_embeds, TP_AXIS)
 
+        # check_vma off: a Pallas kernel's outputs carry no record of how they vary over the mesh axis.
         return jax.shard_map(body, mesh=self.mesh, in_specs=(_state_specs(state), P(), P(), cache_specs, P()),
-                             out_specs=(P(), cache_specs))(state, token_ids, positions, cache, inputs_embeds)
+                             out_specs=(P(), cache_specs), check_vma=False)(
+                                 state, token_ids, positions, cache, inputs_embeds)
 
     def _embed(self, token_ids: jax.Array, tp_axis: str | None) -> jax.Array:
         """Token embeddings `[T, E]`; on a device holding a slice of the vocabulary, rows outside it are zeros
@@ -484,6 +495,16 @@ class Llama(nnx.Module):
         hidden, _ = self(token_ids.reshape(-1), positions,
                          lambda q, k, v, _, c: (dense_attention(q, k, v, positions, segments), c), None)
         return self.logits(hidden).reshape(S, Lq, -1)
+
+
+def abstract_model(cfg: ModelConfig, mesh: Mesh | AbstractMesh) -> tuple[nnx.GraphDef, object]:
+    """The graphdef of `Llama(cfg)` split over `mesh` and its state as `jax.ShapeDtypeStruct`s carrying each
+    weight's sharding, without allocating a weight: for lowering a large model's step programs where it
+    does not fit (an `AbstractMesh` lowers for devices this host does not have)."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0), mesh=mesh)))
+    specs = _state_specs(state)
+    return graphdef, jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), state, specs)
 
 
 def _state_specs(state) -> object:

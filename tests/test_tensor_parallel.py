@@ -3,17 +3,29 @@
 Each check runs in a subprocess: the host device count is fixed when jax starts its CPU backend.
 """
 
+import functools
 import json
+import math
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from benchmarks.baselines import prompts_dir
+from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
 from model.config import get_preset
-from model.llama import Llama, check_tensor_parallel
+from model.llama import TP_AXIS, abstract_model, check_tensor_parallel
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from scheduler.request import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +51,8 @@ def test_logits_and_greedy_tokens_equal_one_device():
         from flax import nnx
         from checkpoints import LoadedModel, load_model
         from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
         from engine.step import tensor_parallel_mesh
         from model.llama import Llama
         from scheduler.request import SamplingParams
@@ -80,6 +94,8 @@ def test_sharded_pool_and_weights_hold_the_planned_bytes_and_compile_once():
         import jax, numpy as np
         from flax import nnx
         from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
         from engine.plan import memory_plan
         from model.llama import Llama
         from scheduler.request import SamplingParams
@@ -127,6 +143,8 @@ def test_splits_that_do_not_divide_are_refused():
     result = run_on_devices("""
         import json
         from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
         try:
             LLM("tiny-llama", speculative=None, tensor_parallel_size=4, num_blocks=8)
         except ValueError as e:
@@ -150,6 +168,8 @@ def test_real_model_greedy_output_equal_over_three_devices():
         from checkpoints import load_model
         from checkpoints.draft import DEFAULT_EAGLE, load_draft
         from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
         from scheduler.request import SamplingParams
 
         loaded = load_model("smollm2-135m-instruct")
@@ -167,3 +187,76 @@ def test_real_model_greedy_output_equal_over_three_devices():
         assert result[f"{spec} 3"] == result[f"{spec} 1"], spec
         assert result[f"{spec} 1"] == result["None 1"]
     assert len(result["None 1"]) == 10 and all(len(t) == 16 for t in result["None 1"])
+
+
+def test_two_processes_with_two_devices_each_match_one_process():
+    # jax.distributed over loopback, gloo collectives: every process runs the same scheduler on the same
+    # prompts (engine/distributed.py); a process given other prompts is caught before any step runs.
+    code = textwrap.dedent("""
+        import json, sys
+        from engine.distributed import initialize
+        initialize(f"127.0.0.1:{PORT}", 2, PID, local_cpu_devices=2)
+        from checkpoints import load_model
+        from engine import LLM
+from engine.plan import memory_plan
+from engine.step import KVPool, StepBatch, make_step
+        from scheduler.request import SamplingParams
+        loaded = load_model("tiny-llama")
+        out = {}
+        for spec in (None, "draft"):
+            llm = LLM(loaded, speculative=spec, draft_model=loaded if spec else None, tensor_parallel_size=4,
+                      num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
+            out[str(spec)] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0))]
+        # unseeded: the processes must draw the same seeds, or the batch check stops the step
+        out["sampled"] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=1))]
+        try:
+            llm.generate([PROMPTS[0] + [PID + 3]], SamplingParams(max_tokens=2))
+        except RuntimeError as e:
+            out["mismatch"] = str(e)
+        print(json.dumps(out), flush=True)
+    """)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen([sys.executable, "-c", f"PID = {i}\nPORT = {port}\nPROMPTS = {prompts!r}\n" + code],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0, stderr[-3000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    llm = LLM("tiny-llama", speculative=None, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))]
+    for r in results:
+        assert r["None"] == want and r["draft"] == want
+        assert r["sampled"] == results[0]["sampled"]
+        assert "packed different batches" in r["mismatch"]
+
+
+def test_llama_3_70b_step_over_8_devices_lowers_for_cuda_and_holds_the_planned_bytes():
+    # An abstract mesh: nothing is allocated, and the step lowers for GPUs this host does not have.
+    cfg = get_preset("llama-3-70b")
+    mesh = AbstractMesh((8,), (TP_AXIS,))
+    graphdef, state = abstract_model(cfg, mesh)
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state))
+    rope = cfg.head_dim // 2 * 4  # the RoPE frequencies (float32), not a weight
+    assert per_device - rope == memory_plan(cfg, 8).weight_bytes
+    T, S, num_blocks, width = 64, 8, 256, 32
+    pool_shape = (cfg.num_layers, num_blocks, 16, 8, cfg.head_dim)  # 8 KV heads, one per device
+    kv = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(None, None, None, TP_AXIS)))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    batch = StepBatch(i32(T), i32(T), i32(T), i32(S + 1), i32(S), i32(S, width), i32(S), f32(S), i32(S), f32(S), f32(S),
+                      jax.ShapeDtypeStruct((S,), jnp.uint32), jax.ShapeDtypeStruct((S,), jnp.bool_))
+    step = make_step(graphdef, functools.partial(ragged_paged_attention, backend="cuda"))
+    text = step.trace(state, KVPool(kv, kv), batch).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == cfg.num_layers  # the Pallas kernel
+    assert text.count('"stablehlo.all_reduce"') == 2 * cfg.num_layers + 1  # o, down; the vocabulary-split embedding
+    assert text.count("stablehlo.all_gather") == 1  # the logits
+    E, D = cfg.hidden_size, cfg.head_dim
+    assert f"tensor<{E}x{(cfg.num_heads // 8 + 2) * D}xbf16>" in text  # one device's QKV: 8 query heads, 1 KV head
+    assert f"tensor<{cfg.num_layers}x{num_blocks}x16x1x{D}xbf16>" in text  # one device's share of the pool

@@ -26,7 +26,7 @@ import sys
 
 from absl import app, flags, logging
 
-from engine.flags import FLAGS, llm_from_flags
+from engine.flags import FLAGS, ONE_HOST, llm_from_flags
 
 flags.DEFINE_string("input", None, "Input JSONL file.")
 flags.DEFINE_string("output", None, "Output JSONL file (appended to on a rerun, unless --overwrite).")
@@ -76,6 +76,8 @@ def main(argv):
         return _fail_usage(f"--shard_index must be in [0, {FLAGS.num_shards})")
     if FLAGS.max_inflight < 1:
         return _fail_usage("--max_inflight must be >= 1")
+    if FLAGS.num_processes > 1:
+        return _fail_usage(f"the batch job {ONE_HOST}; spread a file over hosts with --num_shards / --shard_index")
     if FLAGS.data_parallel_size != 1:
         return _data_parallel()
     try:
