@@ -10,10 +10,14 @@ own devices. Nothing but XLA's collectives crosses between processes: no RPC
 of our own, and no broadcast of batches, which would put one host's
 packing and a transfer on every step's critical path.
 
-What the design relies on is checked, not assumed: before each step every
-process compares a digest of the packed batch with the others
-(`check_same_batch`, one small all-gather), and a mismatch stops the step
-with an error instead of running collectives over different programs.
+The one input that is not the same everywhere is time: speculation's cost
+model prices proposals from measured step times. Each step's time is agreed
+(the slowest process's, `agree_on_timing`) before the model sees it, and so
+are the seeds of unseeded requests (`seed_source`). What the design relies on
+is checked, not assumed: before each step every process compares a digest of
+the packed batch with the others (`check_same_batch`, one small all-gather),
+and a mismatch stops the step with an error instead of running collectives
+over different programs.
 
 Offline generation (`LLM.generate`, `python -m engine.generate`) runs this way,
 with every process given the same prompts. The gRPC server and the batch job
@@ -60,6 +64,18 @@ def seed_source() -> Callable[[], int]:
     shared = multihost_utils.broadcast_one_to_all(np.array(secrets.randbits(31), np.int32))
     rng = random.Random(int(shared))
     return lambda: rng.getrandbits(32)
+
+
+def agree_on_timing(seconds: float, compiled: bool) -> tuple[float, bool]:
+    """A step's seconds and whether it compiled a program, made the same on every process (the slowest
+    process's seconds; compiled on any): speculation's cost model prices proposals from them, and each
+    process must take the same decisions. Unchanged in one process."""
+    if jax.process_count() == 1:
+        return seconds, compiled
+    from jax.experimental import multihost_utils
+
+    both = multihost_utils.process_allgather(np.array([seconds, float(compiled)]))
+    return float(both[:, 0].max()), bool(both[:, 1].any())
 
 
 def batch_digest(packed) -> np.ndarray:

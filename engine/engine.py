@@ -25,7 +25,7 @@ from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
 from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming
-from engine.distributed import seed_source
+from engine.distributed import agree_on_timing, seed_source
 from engine.step import kv_bytes_per_block
 from engine.scoring import ScoreOutput
 from engine.step import Sampled
@@ -243,11 +243,12 @@ class Engine:
             outputs = self._update(plan, result)
             timing.update = time.perf_counter() - t4
         self.stats.add(timing)
-        if compilation_count() != compiled:
+        seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
+        if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
         elif plan.seqs and self.proposer is not None:
             work = sum(attention_pairs(s.start, s.num_new_tokens) for s in plan.seqs)
-            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, timing.total, work)
+            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, work)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
         return outputs

@@ -51,8 +51,6 @@ def test_logits_and_greedy_tokens_equal_one_device():
         from flax import nnx
         from checkpoints import LoadedModel, load_model
         from engine import LLM
-from engine.plan import memory_plan
-from engine.step import KVPool, StepBatch, make_step
         from engine.step import tensor_parallel_mesh
         from model.llama import Llama
         from scheduler.request import SamplingParams
@@ -94,8 +92,6 @@ def test_sharded_pool_and_weights_hold_the_planned_bytes_and_compile_once():
         import jax, numpy as np
         from flax import nnx
         from engine import LLM
-from engine.plan import memory_plan
-from engine.step import KVPool, StepBatch, make_step
         from engine.plan import memory_plan
         from model.llama import Llama
         from scheduler.request import SamplingParams
@@ -143,8 +139,6 @@ def test_splits_that_do_not_divide_are_refused():
     result = run_on_devices("""
         import json
         from engine import LLM
-from engine.plan import memory_plan
-from engine.step import KVPool, StepBatch, make_step
         try:
             LLM("tiny-llama", speculative=None, tensor_parallel_size=4, num_blocks=8)
         except ValueError as e:
@@ -168,8 +162,6 @@ def test_real_model_greedy_output_equal_over_three_devices():
         from checkpoints import load_model
         from checkpoints.draft import DEFAULT_EAGLE, load_draft
         from engine import LLM
-from engine.plan import memory_plan
-from engine.step import KVPool, StepBatch, make_step
         from scheduler.request import SamplingParams
 
         loaded = load_model("smollm2-135m-instruct")
@@ -198,8 +190,6 @@ def test_two_processes_with_two_devices_each_match_one_process():
         initialize(f"127.0.0.1:{PORT}", 2, PID, local_cpu_devices=2)
         from checkpoints import load_model
         from engine import LLM
-from engine.plan import memory_plan
-from engine.step import KVPool, StepBatch, make_step
         from scheduler.request import SamplingParams
         loaded = load_model("tiny-llama")
         out = {}
