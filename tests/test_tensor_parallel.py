@@ -168,16 +168,15 @@ def test_real_model_greedy_output_equal_over_three_devices():
         eagle = load_draft(DEFAULT_EAGLE, loaded)
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
         out = {}
-        for spec in (None, "ngram", "eagle"):
-            for tp in (1, 3):
-                llm = LLM(loaded, speculative=spec, draft_model=eagle if spec == "eagle" else None,
-                          tensor_parallel_size=tp, max_num_seqs=8, num_blocks=256)
-                out[f"{spec} {tp}"] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))]
+        # exact speculation: greedy output with a proposer equals the target alone's
+        for spec, tp in ((None, 1), (None, 3), ("ngram", 3), ("eagle", 3)):
+            llm = LLM(loaded, speculative=spec, draft_model=eagle if spec == "eagle" else None,
+                      tensor_parallel_size=tp, max_num_seqs=8, num_blocks=256)
+            out[f"{spec} {tp}"] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))]
         print(json.dumps(out))
     """, devices=3, PROMPTS=_chat_prompts(10))
     for spec in ("None", "ngram", "eagle"):
-        assert result[f"{spec} 3"] == result[f"{spec} 1"], spec
-        assert result[f"{spec} 1"] == result["None 1"]
+        assert result[f"{spec} 3"] == result["None 1"], spec
     assert len(result["None 1"]) == 10 and all(len(t) == 16 for t in result["None 1"])
 
 
