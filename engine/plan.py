@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from model.config import ModelConfig
-from model.llama import kv_heads_per_device
+from model.llama import check_tensor_parallel, kv_heads_per_device, param_specs
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 SAMPLER_COPIES = 4  # [S, V] float32 arrays live at once while sampling: logits, scaled, exponentials, kept mask
@@ -43,13 +43,7 @@ def shard_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
 
     Raises ValueError when the heads or the intermediate size do not split over `tp`.
     """
-    from model.llama import param_specs
-
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
-    H, F = cfg.num_heads, cfg.intermediate_size
-    if H % tp or F % tp:
-        raise ValueError(f"{H} heads and intermediate size {F} must be multiples of tensor_parallel_size {tp}")
+    check_tensor_parallel(cfg, tp)
     kv = kv_heads_per_device(cfg.num_kv_heads, tp) * cfg.head_dim
     per_device = {"vocab": lambda n: math.ceil(n / tp), "q_heads": lambda n: n // tp,
                   "mlp": lambda n: n // tp, "kv_heads": lambda n: kv}
