@@ -21,20 +21,28 @@ over different programs.
 
 Offline generation (`LLM.generate`, `python -m engine.generate`) runs this way,
 with every process given the same prompts. The gRPC server and the batch job
-need their requests on every process and run on one host (their
---num_processes above 1 is refused; the batch job fans out over hosts by
-shards instead: `--num_shards` / `--shard_index`).
+take their inputs on process 0 alone (the port it listens on, the files it
+reads and writes), so there process 0 leads: once per turn of its loop, before
+the step, it broadcasts the inputs that arrived since the last turn (new and
+aborted requests, Score calls, input lines admitted, a stop) with
+`broadcast_object`, and the other processes apply the same inputs in the same
+order and step with it. The scheduler then does the rest, as above. An idle
+server broadcasts an empty turn every `HEARTBEAT_S` seconds so the followers'
+collective never waits long enough to time out.
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 import random
 import secrets
 from typing import Callable
 
 import jax
 import numpy as np
+
+HEARTBEAT_S = 5.0  # most seconds between broadcasts of an idle leader
 
 
 def initialize(coordinator_address: str | None, num_processes: int, process_id: int,
@@ -64,6 +72,30 @@ def seed_source() -> Callable[[], int]:
     shared = multihost_utils.broadcast_one_to_all(np.array(secrets.randbits(31), np.int32))
     rng = random.Random(int(shared))
     return lambda: rng.getrandbits(32)
+
+
+def is_leader() -> bool:
+    """True on process 0 (and in one process): the one that owns the server's port or the batch job's files."""
+    return jax.process_index() == 0
+
+
+def broadcast_object(obj=None):
+    """Process 0's `obj` on every process (the others' argument is ignored); `obj` itself in one process.
+
+    Sent pickled (every process runs this same program, so nothing untrusted is
+    unpickled) over XLA's collectives: its length, then its bytes padded to a
+    power of two (at least 256), so the broadcast compiles once per size bucket.
+    """
+    if jax.process_count() == 1:
+        return obj
+    from jax.experimental import multihost_utils
+
+    data = pickle.dumps(obj) if is_leader() else b""
+    n = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32)))
+    buf = np.zeros(max(256, 1 << (n - 1).bit_length()), np.uint8)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    buf = multihost_utils.broadcast_one_to_all(buf)
+    return pickle.loads(np.asarray(buf, np.uint8)[:n].tobytes())
 
 
 def agree_on_timing(seconds: float, compiled: bool) -> tuple[float, bool]:

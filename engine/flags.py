@@ -51,10 +51,6 @@ flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request;
                      "(capped by the KV pool).")
 
 
-ONE_HOST = ("runs on one host (its requests reach one process); over several processes run "
-            "`python -m engine.generate` or `LLM.generate` with the same inputs in every process")
-
-
 def llm_from_flags():
     """The `engine.LLM` the flags describe.
 

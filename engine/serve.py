@@ -6,6 +6,11 @@ Prints `serving <model> on <host>:<port>` (and the metrics address) once it
 accepts calls. SIGTERM or SIGINT: stop accepting, give calls in flight
 `--grace_s` seconds, abort the rest, stop the engine thread, exit 0. Model, engine and
 speculation flags are `engine.flags`'; the server itself is `engine.serving`.
+
+Over several processes (`--num_processes`, every process runs this same
+command with its own `--process_id`) process 0 serves and the others follow
+its engine (`engine.distributed`); they print `following process 0` and exit
+when process 0 stops.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 
 from absl import app, flags, logging
 
-from engine.flags import FLAGS, ONE_HOST, llm_from_flags
+from engine.flags import FLAGS, llm_from_flags
 
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::] for every interface).")
 flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one.")
@@ -78,9 +83,6 @@ def main(argv):
         except (ValueError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file}: {e}")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
-    if FLAGS.num_processes > 1:
-        print(f"error: the gRPC server {ONE_HOST}", file=sys.stderr)
-        return 2
     try:
         limits = ServingLimits(FLAGS.max_request_bytes, FLAGS.max_score_inputs, FLAGS.max_score_tokens)
         llm = llm_from_flags()
@@ -91,6 +93,12 @@ def main(argv):
         t = time.perf_counter()
         n = llm.engine.precompile()
         print(f"precompiled {n} step shapes in {time.perf_counter() - t:.1f} s", flush=True)
+    from engine.distributed import is_leader
+
+    if not is_leader():
+        print(f"following process 0 (process {FLAGS.process_id} of {FLAGS.num_processes})", flush=True)
+        EngineWorker(llm.engine).follow()
+        return 0
     asyncio.run(_serve(GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model,
                                         host=FLAGS.host, port=FLAGS.port, tenants=tenants, tls=tls, limits=limits)))
     return 0

@@ -249,3 +249,101 @@ def test_llama_3_70b_step_over_8_devices_lowers_for_cuda_and_holds_the_planned_b
     E, D = cfg.hidden_size, cfg.head_dim
     assert f"tensor<{E}x{(cfg.num_heads // 8 + 2) * D}xbf16>" in text  # one device's QKV: 8 query heads, 1 KV head
     assert f"tensor<{cfg.num_layers}x{num_blocks}x16x1x{D}xbf16>" in text  # one device's share of the pool
+
+
+def _two_processes(args: list[str], own: tuple[list[str], list[str]] = ([], []), **popen) -> list[subprocess.Popen]:
+    """`python -m <args> <own[i]>` as process i of two (loopback coordinator), 2 CPU devices each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return [subprocess.Popen([sys.executable, "-m", *args, *own[i], "--tensor_parallel_size=4", "--num_processes=2",
+                              f"--process_id={i}", f"--coordinator_address=127.0.0.1:{port}"],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+             for i in range(2)]
+
+
+def _first_line(proc: subprocess.Popen, prefix: str) -> str:
+    """The first stdout line of `proc` starting with `prefix` (gloo prints its own lines), or '' at exit."""
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line
+    return ""
+
+
+TINY_FLAGS = ["--model=tiny-llama", "--speculative=off", "--num_blocks=64", "--max_num_seqs=4",
+              "--max_num_batched_tokens=32"]
+
+
+def test_grpc_server_over_two_processes_serves_from_process_0():
+    # Process 0 serves; process 1 applies the requests it broadcasts (adds, an abort, a Score call) and steps with
+    # it. Outputs equal one process's; an idle pause longer than the heartbeat is survived; SIGTERM ends both.
+    import concurrent.futures
+    import signal
+    import time
+
+    from engine.distributed import HEARTBEAT_S
+    from engine.serving.client import Client
+
+    procs = _two_processes(["engine.serve", *TINY_FLAGS, "--port=0", "--metrics_port=-1", "--noprecompile",
+                            "--grace_s=1"])
+    try:
+        line, follower = _first_line(procs[0], "serving "), _first_line(procs[1], "following ")
+        assert line.startswith("serving tiny-llama on 127.0.0.1:"), line
+        assert follower == "following process 0 (process 1 of 2)\n", follower
+        target = line.split(" on ")[1].strip()
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2, 17)]
+        greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+        seeded = dict(max_tokens=8, temperature=0.9, seed=7, ignore_eos=True)
+        with Client(target) as c, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            aborted = c.generate_stream(prompts[4], max_tokens=200, ignore_eos=True)
+            next(aborted)
+            got = list(pool.map(lambda p: c.generate(p, **greedy).token_ids, prompts))
+            aborted.cancel()
+            sampled = pool.submit(lambda: c.generate(prompts[1], **seeded).token_ids)
+            scores = c.score([prompts[2], prompts[0]])
+            sampled = sampled.result()
+            time.sleep(HEARTBEAT_S + 1)  # idle: process 0 broadcasts empty turns
+            again = c.generate(prompts[3], **greedy).token_ids
+        llm = LLM("tiny-llama", speculative=None, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
+        assert got == [o.token_ids for o in llm.generate(prompts, SamplingParams(**greedy))]
+        assert again == got[3]
+        assert sampled == llm.generate([prompts[1]], SamplingParams(**seeded))[0].token_ids
+        for result, want in zip(scores, llm.score([prompts[2], prompts[0]])):
+            np.testing.assert_allclose(list(result.token_logprobs), want.token_logprobs, atol=1e-5)
+        procs[0].send_signal(signal.SIGTERM)
+        for p in procs:
+            assert p.wait(timeout=60) == 0, p.stderr.read()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_batch_job_over_two_processes_writes_what_one_process_writes(tmp_path):
+    # Process 0 reads the file (process 1 is given a path that does not exist) and broadcasts each turn's
+    # admitted lines; the output, bad lines' error records included, equals a one-process run's.
+    from tests.test_batch import _generate_lines
+
+    lines = _generate_lines(40)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    flags = [*TINY_FLAGS, "--max_num_batched_tokens=128", "--num_blocks=256", "--max_model_len=256"]
+    procs = _two_processes(["engine.batch", *flags, f"--output={tmp_path / 'two.jsonl'}", "--max_inflight=16"],
+                           own=([f"--input={src}"], [f"--input={tmp_path / 'not-here.jsonl'}"]))
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs[0][1][-3000:] + outs[1][1][-3000:]  # some lines failed
+    one = subprocess.run([sys.executable, "-m", "engine.batch", *flags, f"--input={src}",
+                          f"--output={tmp_path / 'one.jsonl'}", "--max_inflight=16"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert one.returncode == 1, one.stderr[-3000:]
+
+    def records(name):
+        out = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        for r in out:
+            ((r.get("response") or {}).get("body") or {}).pop("created", None)
+        return out
+    assert records("two.jsonl") == records("one.jsonl")
+    assert len(records("two.jsonl")) == 61 and sum(1 for r in records("two.jsonl") if r.get("error")) == 21
+    assert "followed process 0: lines ok 40, failed 21" in outs[1][1]

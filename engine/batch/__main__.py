@@ -14,6 +14,10 @@ Sharding: run `--num_shards=N --shard_index=i` per machine, then
 i (or the i-th slice of the CPU cores) writing `OUTPUT.shard-i-of-N`, then
 the merge; the shard files stay, so a rerun resumes each worker (each
 writes its own summary, `--summary_json` gets the same suffix).
+Over several processes (`--num_processes`, one engine over every process's
+devices; each runs this command with its own `--process_id`) process 0 reads
+the input and writes the output and the others follow it
+(`engine.distributed`); only process 0 needs the files.
 Model, engine and speculation flags are `engine.flags`'.
 """
 
@@ -26,7 +30,7 @@ import sys
 
 from absl import app, flags, logging
 
-from engine.flags import FLAGS, ONE_HOST, llm_from_flags
+from engine.flags import FLAGS, llm_from_flags
 
 flags.DEFINE_string("input", None, "Input JSONL file.")
 flags.DEFINE_string("output", None, "Output JSONL file (appended to on a rerun, unless --overwrite).")
@@ -59,15 +63,19 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.input or not FLAGS.output:
         return _fail_usage("--input and --output are required")
-    if not os.path.exists(FLAGS.input):
+    lead = FLAGS.process_id == 0  # the process that reads and writes the files
+    if lead and not os.path.exists(FLAGS.input):
         return _fail_usage(f"no input file {FLAGS.input}")
-    from engine.batch.io import Resume, Writer, read_lines, read_resume
+    from engine.batch.io import Discard, Resume, Writer, read_lines, read_resume
     from engine.batch.runner import BatchJob
 
     if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
         return _fail_usage("--output must not be the input file")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
+    if lead and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
         return _fail_usage(f"no directory for --output {FLAGS.output}")
+    if FLAGS.num_processes > 1 and (FLAGS.merge or FLAGS.data_parallel_size != 1):
+        return _fail_usage("--merge and --data_parallel_size run in one process (--num_processes spans one "
+                           "engine over several)")
     if FLAGS.merge:
         if FLAGS.data_parallel_size != 1:
             return _fail_usage("--merge joins finished shards; --data_parallel_size runs them")
@@ -76,12 +84,10 @@ def main(argv):
         return _fail_usage(f"--shard_index must be in [0, {FLAGS.num_shards})")
     if FLAGS.max_inflight < 1:
         return _fail_usage("--max_inflight must be >= 1")
-    if FLAGS.num_processes > 1:
-        return _fail_usage(f"the batch job {ONE_HOST}; spread a file over hosts with --num_shards / --shard_index")
     if FLAGS.data_parallel_size != 1:
         return _data_parallel()
     try:
-        resume = read_resume(FLAGS.output) if not FLAGS.overwrite else None
+        resume = read_resume(FLAGS.output) if lead and not FLAGS.overwrite else None
     except ValueError as e:
         return _fail_usage(str(e))
     try:
@@ -94,7 +100,7 @@ def main(argv):
         print(f"resuming: {resume.num_records} records in {FLAGS.output}"
               + (f" (cut a torn last line of {resume.torn_bytes} bytes)" if resume.torn_bytes else ""),
               file=sys.stderr)
-    writer = Writer(FLAGS.output, ordered=not FLAGS.unordered, overwrite=FLAGS.overwrite)
+    writer = Writer(FLAGS.output, ordered=not FLAGS.unordered, overwrite=FLAGS.overwrite) if lead else Discard()
     job = BatchJob(llm, FLAGS.mode, writer, FLAGS.max_inflight, FLAGS.score_stride, FLAGS.model)
 
     def stop(signum, frame):  # finish what is in flight; a second signal ends the process at once
@@ -105,18 +111,22 @@ def main(argv):
     signal.signal(signal.SIGINT, stop)
     from tqdm import tqdm
 
-    progress = tqdm(total=os.path.getsize(FLAGS.input), unit="B", unit_scale=True, desc="input",
-                    disable=None, file=sys.stderr)
+    progress = tqdm(total=os.path.getsize(FLAGS.input) if lead else 0, unit="B", unit_scale=True, desc="input",
+                    disable=None if lead else True, file=sys.stderr)
+    lines = read_lines(FLAGS.input, FLAGS.num_shards, FLAGS.shard_index) if lead else iter(())
     try:
-        summary = job.run(read_lines(FLAGS.input, FLAGS.num_shards, FLAGS.shard_index), resume, progress)
+        summary = job.run(lines, resume, progress)
     except BaseException:
         job.abandon()
         raise
     finally:
         progress.close()
         writer.close()
-    print(summary.line(), file=sys.stderr)
-    if FLAGS.summary_json:
+    if not lead:
+        print(f"followed process 0: {summary.line()}", file=sys.stderr)
+    else:
+        print(summary.line(), file=sys.stderr)
+    if FLAGS.summary_json and lead:
         with open(FLAGS.summary_json, "w") as f:
             json.dump(summary.as_dict(), f, indent=2)
     if summary.interrupted:

@@ -127,6 +127,18 @@ class Writer:
         self._f.close()
 
 
+class Discard:
+    """The writer of a process other than 0 in a job over several processes: process 0 writes every record."""
+
+    num_waiting = 0
+
+    def put(self, seq: int, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> tuple[int, int]:
     """Joins shard outputs (written in order, the default) into one file in input order.
 

@@ -4,6 +4,11 @@ At most `max_inflight` lines are in the engine at once (generation
 requests, and sequences being scored chunk by chunk between decode steps);
 the input is read only as fast as lines are admitted, so memory does not
 grow with the file.
+
+Over several processes (`engine.distributed`) process 0 reads the input and
+the resume state and writes the output; each turn of the loop it broadcasts
+the lines it admitted and whether it is stopping, and the other processes
+admit the same lines and step in lockstep, writing nothing.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import time
 from collections import deque
 from typing import Any, Iterator
 
+import jax
 import jinja2
 
 from engine.batch.formats import (Job, LineError, decode, duplicate_id_message, error_record, generate_record,
                                   line_key, parse_line, score_record)
 from engine.batch.io import Resume, Writer
+from engine.distributed import broadcast_object, is_leader
 from engine.inputs import check_token_ids, encode_prompt
 from engine.outputs import RequestOutput
 from engine.scoring import ScoreOutput
@@ -210,36 +217,52 @@ class BatchJob:
     # ---- the loop ------------------------------------------------------------------------
 
     def run(self, lines: Iterator[tuple[int, str, int]], resume: Resume, progress=None) -> Summary:
-        """Runs every line; returns the totals. Stops admitting when `stopping` is set."""
+        """Runs every line; returns the totals. Stops admitting when `stopping` is set.
+
+        Over several processes only process 0's `lines`, `resume` and `stopping` count (the others'
+        are ignored).
+        """
         t0 = time.perf_counter()
+        shared, lead = jax.process_count() > 1, is_leader()
+        resume = broadcast_object(resume)
         source = iter(lines)
         exhausted = False
         offset = 0
         while True:
-            while not exhausted and not self.stopping and self._room():
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                    break
-                line, text, end = item
-                self._admit(line, text, resume)
-                if progress is not None:
-                    progress.update(end - offset)
-                offset = end
+            stopping = self.stopping  # once per turn: what the followers are told is what this process does
+            if lead:
+                admitted = []
+                while not exhausted and not stopping and self._room():
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    line, text, end = item
+                    self._admit(line, text, resume)
+                    admitted.append((line, text))
+                    if progress is not None:
+                        progress.update(end - offset)
+                    offset = end
+                if shared:
+                    broadcast_object((admitted, exhausted, stopping))
+            else:
+                admitted, exhausted, stopping = broadcast_object()
+                for line, text in admitted:
+                    self._admit(line, text, resume)
             worked = False
             if self._scoring:
                 worked = self._score_step()
             if self.engine.has_unfinished():
                 self._collect(self.engine.step())
                 worked = True
-            if not worked and not self._scoring and not self._generating and (exhausted or self.stopping):
+            if not worked and not self._scoring and not self._generating and (exhausted or stopping):
                 break
             if progress is not None:
                 progress.set_postfix(ok=self.summary.lines_ok, failed=self.summary.lines_failed,
                                      tok_s=f"{self.summary.generated_tokens / (time.perf_counter() - t0):.0f}",
                                      refresh=False)
         self.summary.wall_s = time.perf_counter() - t0
-        self.summary.interrupted = self.stopping and not exhausted
+        self.summary.interrupted = stopping and not exhausted
         return self.summary
 
     def _collect(self, outs: list[RequestOutput]) -> None:

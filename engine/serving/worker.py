@@ -13,6 +13,12 @@ can name another caller's request; an abort names the `Stream` it ends.
 Scoring runs one chunk (at most the token budget) per turn of the loop,
 between generation steps, so a long Score never holds up the streams, and
 a cancelled Score is dropped before its next chunk.
+
+Over several processes (`engine.distributed`) the worker on process 0 leads:
+each turn it broadcasts the commands it is about to apply (requests by id,
+Score calls by id; `call` is refused, a function does not cross processes),
+and every other process runs `follow()`, which applies the same commands to
+its own engine with stand-in streams nobody reads, and steps in lockstep.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
+from engine.distributed import HEARTBEAT_S, broadcast_object
 from engine.engine import Engine, ScoreJob
 from engine.outputs import RequestOutput
 from engine.scoring import ScoreOutput
@@ -56,8 +65,8 @@ class Stream:
     """
 
     request_id: str
-    queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue | None  # None on a following process: nobody reads its outputs
+    loop: asyncio.AbstractEventLoop | None
     arrival: float  # time.monotonic() at submit
     request: Request | None = None  # set on the engine thread once the engine accepted it
     last_token_time: float | None = None
@@ -68,8 +77,9 @@ class ScoreCall:
     """One Score call on the engine thread: its sequences in order, scored one chunk per loop turn."""
 
     inputs: list[list[int]]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop | None  # None on a following process
+    future: asyncio.Future | None
+    call_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
     results: list[ScoreOutput] = dataclasses.field(default_factory=list)
     job: ScoreJob | None = None  # the sequence being scored
 
@@ -153,16 +163,23 @@ class EngineWorker:
 
     # ---- engine thread ---------------------------------------------------------------------
 
+    def follow(self) -> None:
+        """On a process other than 0 of several: applies the commands process 0's worker broadcasts and
+        steps with it, on the calling thread, until process 0's worker stops."""
+        self._loop(lead=False)
+
     def _run(self) -> None:
+        self._loop(lead=True)
+
+    def _loop(self, lead: bool) -> None:
+        shared = jax.process_count() > 1
         while True:
-            # Block only when idle; otherwise take what has arrived and step.
-            busy = self.engine.has_unfinished() or self._scores
-            commands = [] if busy else [self._commands.get()]
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            if lead:
+                commands = self._take()
+                if shared:
+                    broadcast_object([_to_wire(c) for c in commands])
+            else:
+                commands = [c for c in map(self._from_wire, broadcast_object()) if c is not None]
             for command in commands:
                 if command[0] == "stop":
                     self._end_all(EngineStoppedError("the server is shutting down"))
@@ -172,6 +189,43 @@ class EngineWorker:
                 self._step()
             if self._scores:
                 self._score_chunk()
+
+    def _take(self) -> list[tuple]:
+        """The commands that arrived: blocks while idle (over several processes at most `HEARTBEAT_S`,
+        so the followers hear from this process); calls are refused over several processes."""
+        commands = []
+        if not (self.engine.has_unfinished() or self._scores):
+            try:
+                commands.append(self._commands.get(timeout=HEARTBEAT_S if jax.process_count() > 1 else None))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        if jax.process_count() > 1:
+            for _, fn, loop, future in (c for c in commands if c[0] == "call"):
+                _settle_threadsafe(loop, future, None, RuntimeError(
+                    "EngineWorker.call runs in one process only (a function cannot be sent to the others)"))
+            commands = [c for c in commands if c[0] != "call"]
+        return commands
+
+    def _from_wire(self, wire: tuple) -> tuple | None:
+        """A command broadcast by process 0 as this process's own; None if it names nothing held here."""
+        kind = wire[0]
+        if kind == "add":
+            _, request_id, *rest = wire
+            return ("add", Stream(request_id, None, None, time.monotonic()), *rest)
+        if kind == "abort":
+            stream = self._streams.get(wire[1])
+            return ("abort", stream) if stream is not None else None
+        if kind == "score":
+            return ("score", ScoreCall(wire[2], None, None, call_id=wire[1]))
+        if kind == "cancel_score":
+            call = next((c for c in self._scores if c.call_id == wire[1]), None)
+            return ("cancel_score", call) if call is not None else None
+        return wire  # ("stop",)
 
     def _apply(self, command: tuple) -> None:
         kind = command[0]
@@ -300,7 +354,22 @@ def _aborted(stream: Stream) -> RequestOutput:
                          num_accepted_tokens=r.num_accepted_tokens, num_target_steps=r.num_target_steps)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[Stream, RequestOutput | Exception]]) -> None:
+def _to_wire(command: tuple) -> tuple:
+    """A command as process 0 broadcasts it: streams and Score calls by id."""
+    kind = command[0]
+    if kind == "add":
+        _, stream, *rest = command
+        return ("add", stream.request_id, *rest)
+    if kind == "abort":
+        return ("abort", command[1].request_id)
+    if kind in ("score", "cancel_score"):
+        return (kind, command[1].call_id) + ((command[1].inputs,) if kind == "score" else ())
+    return command  # ("stop",)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop | None, items: list[tuple[Stream, RequestOutput | Exception]]) -> None:
+    if loop is None:  # a following process's stand-in
+        return
     try:
         loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -312,8 +381,10 @@ def _put_all(items: list[tuple[Stream, RequestOutput | Exception]]) -> None:
         stream.queue.put_nowait(item)
 
 
-def _settle_threadsafe(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any,
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop | None, future: asyncio.Future | None, result: Any,
                        error: Exception | None) -> None:
+    if loop is None:  # a following process's stand-in
+        return
     try:
         loop.call_soon_threadsafe(_settle, future, result, error)
     except RuntimeError:  # the caller's loop is closed
