@@ -54,7 +54,8 @@ def shard_shapes(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per device. `kv_tokens` is how many tokens the KV pool holds in what is left of
-    `device_bytes * utilization` after the weights and activations (0 when nothing is left)."""
+    `device_bytes * utilization` after the weights (with the RoPE table) and activations (0 when nothing is
+    left)."""
 
     tensor_parallel_size: int
     weight_bytes: int
@@ -96,6 +97,7 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     wb, kvb = _BYTES[cfg.dtype], _BYTES[kv_cache_dtype or cfg.dtype]
     weights = sum(int(np.prod(shape)) * (4 if name == "head_ids" else wb)  # head_ids: int32
                   for name, shape in shard_shapes(cfg, tp).items())
+    weights += cfg.max_position_embeddings * cfg.head_dim * 4  # the RoPE table (model.llama.rope_table), float32
     Kd = kv_heads_per_device(cfg.num_kv_heads, tp)
     kv_per_token = 2 * cfg.num_layers * Kd * cfg.head_dim * kvb
     E, F, D, T = cfg.hidden_size, cfg.intermediate_size // tp, cfg.head_dim, max_num_batched_tokens

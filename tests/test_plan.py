@@ -22,9 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_one_device_matches_the_built_model_and_pool(name, dtype):
     cfg = get_preset(name).replace(dtype=dtype)
     model = Llama(cfg, rngs=nnx.Rngs(0))
-    params = jax.tree.leaves(nnx.state(model, nnx.Param))
     plan = memory_plan(cfg, 1, block_size=16)
-    assert plan.weight_bytes == sum(x.nbytes for x in params)
+    assert plan.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # with the RoPE table
     pool = KVPool.zeros(cfg, 37, 16)
     assert 37 * 16 * plan.kv_bytes_per_token == pool.k.nbytes + pool.v.nbytes
 
@@ -44,7 +43,8 @@ def test_llama_3_70b_over_8_devices():
     plan = memory_plan(cfg, 8, device_bytes=80 << 30, utilization=0.9)
     # Norms are whole on every device; everything else is an eighth (the vocabulary 128256 splits evenly).
     replicated = 2 * cfg.num_layers * cfg.hidden_size + cfg.hidden_size
-    assert plan.weight_bytes == 2 * ((cfg.num_params - replicated) // 8 + replicated)
+    rope = cfg.max_position_embeddings * cfg.head_dim * 4  # the RoPE table, float32, on every device
+    assert plan.weight_bytes == 2 * ((cfg.num_params - replicated) // 8 + replicated) + rope
     assert plan.kv_bytes_per_token == 2 * 80 * 1 * 128 * 2  # one KV head per device
     assert plan.kv_tokens % 16 == 0 and plan.kv_tokens * plan.kv_bytes_per_token <= plan.kv_pool_bytes
     assert plan.max_num_seqs_at(8192) == plan.kv_blocks // 512
