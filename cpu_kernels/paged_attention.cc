@@ -4,13 +4,18 @@
 // Query token t of sequence s (query length n_s, KV length seq_lens[s]) sits at position
 // p = seq_lens[s] - n_s + (t - query_start_loc[s]) and attends causally to KV positions 0..p, read from the
 // pool through row s of the block table (this step's own K/V are already written there). One work item is
-// up to 4 consecutive query tokens of one sequence and one KV head: its rows (tokens x the G = H / K query
-// heads of that KV head) share each K and V row, read in the pool (f32) or converted to f32 once per tile of
-// 32 context positions (bf16).
+// up to 4 consecutive query tokens of one sequence (16 for prefill chunks) and one KV head, or every KV head
+// when a step has many short items: its rows (tokens x the G = H / K query heads of a KV head) share each K
+// and V row, read from the pool directly (f32; bf16 on AVX-512, split into even and odd elements) or
+// converted to f32 once per tile of 32 context positions. The split path prefetches the tiles ahead.
 // The tiles are walked with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
 // §3.1): scores 8 positions at a time (8 independent FMA chains, one transposing reduction), a running max
 // and sum per row, the accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
 // relative error below 2e-7). Accumulation is float32; the pool is float32 or bfloat16.
+//
+// Token trees: with a tree mask (int32 per query token), a token sees KV position p of its window (the step's
+// own tokens, from seq_len - n_s) only if bit p - (seq_len - n_s) of its mask is set (positions from the
+// 33rd window token on are not gated): the rule of reference.tree_visible. The cached prefix is unaffected.
 //
 // Requires AVX2 + FMA (the library's Python side only registers it when the CPU has them) and D % 8 == 0.
 // Threads of XLA's intra-op pool split the work items.
@@ -41,6 +46,7 @@ constexpr int64_t kMaxG = 16;   // query heads per KV head
 constexpr int64_t kMaxD = 256;  // head dim
 constexpr int64_t kTileQLong = 16;  // ... for runs of at least 2 x 16 query tokens (prefill chunks), on AVX-512
 constexpr int64_t kMaxRows = kTileQLong * kMaxG;
+constexpr int64_t kTreeWindow = 32;  // window tokens a tree mask covers
 
 // JSE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 path (as in skinny_matmul.cc).
 bool avx512_usable() {
@@ -111,7 +117,23 @@ struct Rows {
   const float* q[kMaxRows];
   float* out[kMaxRows];
   int64_t limit[kMaxRows];  // KV positions the row attends to (its causal limit)
+  bool tree = false;        // the rows carry tree masks:
+  uint32_t bits[kMaxRows];  // the row's token's mask
+  int64_t window[kMaxRows];  // KV position of its sequence's first step token
 };
+
+// Bit jj: whether row r sees KV position j0 + jj, for jj < valid (its causal limit within the tile of
+// kTile positions from j0) and, with tree masks, its mask.
+inline uint32_t visible(const Rows& R, int64_t r, int64_t j0, int64_t valid) {
+  static_assert(kTile == 32, "one bit per tile position");
+  if (valid <= 0) return 0;
+  const uint32_t causal = valid >= 32 ? ~0u : (1u << valid) - 1;
+  const int64_t shift = j0 - (R.tree ? R.window[r] : 0);  // window index of position j0
+  if (!R.tree || shift >= kTreeWindow || shift <= -kTile) return causal;
+  const uint64_t ext = R.bits[r] | (~0ull << kTreeWindow);  // window index e < 64 is visible iff bit e
+  const uint64_t word = shift >= 0 ? ext >> shift : (ext << -shift) | ((1ull << -shift) - 1);
+  return causal & static_cast<uint32_t>(word);
+}
 
 // acc[0, 8 ND) = acc * corr + sum_{jj < n} p[jj] v_jj[d0, d0 + 8 ND). ND is a constant so the ND
 // accumulators stay in registers (a run-time count spilled them to the stack at every FMA).
@@ -165,8 +187,9 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
     }
     for (int64_t jj = n; jj < (n + 7) / 8 * 8; ++jj) krow[jj] = zeros;
     for (int64_t r = 0; r < R.n; ++r) {
-      const int64_t valid = std::min(n, R.limit[r] - j0);  // >= 1 while the row has context left
-      if (valid <= 0) continue;
+      const int64_t valid = std::min(n, R.limit[r] - j0);
+      const uint32_t seen = visible(R, r, j0, valid);
+      if (seen == 0) continue;  // nothing to add, nothing to rescale
       // Scores, 8 positions at a time: 8 independent FMA chains, then one transposing reduction.
       const __m256 scale = _mm256_set1_ps(L.scale);
       for (int64_t jb = 0; jb < valid; jb += 8) {
@@ -178,7 +201,8 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
         }
         _mm256_store_ps(&s[r][jb], _mm256_mul_ps(hsum8(a), scale));
       }
-      for (int64_t jj = valid; jj < kTile; ++jj) s[r][jj] = neg_inf;
+      for (int64_t jj = 0; jj < kTile; ++jj)
+        if (!(seen >> jj & 1)) s[r][jj] = neg_inf;
       __m256 mx = _mm256_load_ps(&s[r][0]);  // the positions past valid hold -inf
       for (int64_t jj = 8; jj < kTile; jj += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(&s[r][jj]));
       const float m_new = std::max(m[r], hmax(mx));
@@ -198,7 +222,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
     }
   }
   for (int64_t r = 0; r < R.n; ++r) {
-    const __m256 inv = _mm256_set1_ps(1.f / l[r]);
+    const __m256 inv = _mm256_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);  // 0: a row that sees nothing
     for (int64_t d = 0; d < Dv; ++d) _mm256_storeu_ps(R.out[r] + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc[r] + 8 * d), inv));
   }
 }
@@ -293,14 +317,13 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
     }
     for (int64_t r0 = 0; r0 < R.n; r0 += 8) kScores[std::min<int64_t>(8, R.n - r0) - 1](R.q + r0, kT, D, L.scale, s + r0);
     for (int64_t r = 0; r < R.n; ++r) {
-      const int64_t valid = std::min(n, R.limit[r] - j0);
-      if (valid <= 0) {  // no context left for this row: nothing added, nothing rescaled
+      const uint32_t seen = visible(R, r, j0, std::min(n, R.limit[r] - j0));
+      if (seen == 0) {  // nothing this row sees here: nothing added, nothing rescaled
         std::fill(s[r], s[r] + kTile, 0.f);
         corr[r] = 1.f;
         continue;
       }
-      const __mmask16 k0 = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-      const __mmask16 k1 = static_cast<__mmask16>(valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : (1u << (valid - 16)) - 1);
+      const __mmask16 k0 = static_cast<__mmask16>(seen), k1 = static_cast<__mmask16>(seen >> 16);
       const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       const __m512 s0 = _mm512_mask_load_ps(neg_inf, k0, s[r]), s1 = _mm512_mask_load_ps(neg_inf, k1, s[r] + 16);
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
@@ -316,10 +339,183 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
     for (int64_t r0 = 0; r0 < R.n; r0 += 4) kPv[std::min<int64_t>(4, R.n - r0) - 1](s + r0, n, vbuf, D, acc + r0, corr + r0);
   }
   for (int64_t r = 0; r < R.n; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(R.out[r] + d, _mm512_mul_ps(_mm512_load_ps(acc[r] + d), inv));
   }
 }
+
+// ---- AVX-512, for short work items (decode, verify windows) over a bf16 pool: no f32 copy of K and V. A
+// 32-bit lane of a bf16 row holds elements 2i (low half) and 2i + 1 (high half); a shift and a mask make
+// both exact float32 vectors, so a row of 32 elements is two vectors of its even and its odd elements. q is
+// split the same way once per work item and the accumulator is kept split, interleaved back at the end: the
+// dot products and the P V sums never need the elements in order.
+
+// The even / odd elements of ND x 32 bf16 elements as float32.
+template <int ND>
+__attribute__((target("avx512f"))) inline void split_bf16(const uint16_t* p, __m512* even, __m512* odd) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int c = 0; c < ND; ++c) {
+    const __m512i x = _mm512_loadu_si512(p + 32 * c);
+    even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+  }
+}
+
+// out[j] = the sum of a[j]'s 16 lanes, j < 16: a transposing reduction (halves, then quarters, of pairs of
+// vectors; 45 shuffles and adds for the 16 sums) and one permute back to order.
+__attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* a) {
+  __m512 c[8], e[4], f[2];
+  for (int i = 0; i < 8; ++i)  // c[i]: halves of a[i] | a[i + 8]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44), _mm512_shuffle_f32x4(a[i], a[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)  // e[i]: quarters of a[i], a[i + 8], a[i + 4], a[i + 12]
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88), _mm512_shuffle_f32x4(c[i], c[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    f[i] = _mm512_add_ps(_mm512_unpacklo_ps(e[i], e[i + 2]), _mm512_unpackhi_ps(e[i], e[i + 2]));
+  const __m512 g = _mm512_add_ps(_mm512_shuffle_ps(f[0], f[1], 0x44), _mm512_shuffle_ps(f[0], f[1], 0xEE));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), g);
+}
+
+// Online-softmax state of a work item's rows; q and acc in the split layout (per 32 elements: 16 even, 16 odd).
+struct Split {
+  alignas(64) float q[kMaxRows][kMaxD];
+  alignas(64) float acc[kMaxRows][kMaxD];
+  alignas(64) float s[kMaxRows][kTile];
+  float m[kMaxRows], l[kMaxRows];
+};
+
+// One tile of n <= kTile positions (rows of the pool at k[jj], v[jj]) for rows r0 .. r0 + RB - 1.
+template <int ND, int RB>
+__attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int64_t r0, int64_t j0, int64_t n,
+                                                   const uint16_t* const* k, const uint16_t* const* v, float scale) {
+  static_assert(kTile == 32, "two blocks of 16 positions");
+  alignas(64) __m512 part[RB][16];
+  __m512 qe[RB][ND], qo[RB][ND], ke[ND], ko[ND];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < ND; ++c) qe[r][c] = _mm512_load_ps(S.q[r0 + r] + 32 * c), qo[r][c] = _mm512_load_ps(S.q[r0 + r] + 32 * c + 16);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t jb = 0; jb < n; jb += 16) {
+    for (int jj = 0; jj < 16; ++jj) {
+      split_bf16<ND>(k[std::min<int64_t>(jb + jj, n - 1)], ke, ko);  // positions past n: masked below
+      for (int r = 0; r < RB; ++r) {
+        __m512 a = _mm512_mul_ps(qe[r][0], ke[0]);
+        a = _mm512_fmadd_ps(qo[r][0], ko[0], a);
+        for (int c = 1; c < ND; ++c) a = _mm512_fmadd_ps(qo[r][c], ko[c], _mm512_fmadd_ps(qe[r][c], ke[c], a));
+        part[r][jj] = a;
+      }
+    }
+    for (int r = 0; r < RB; ++r) _mm512_store_ps(S.s[r0 + r] + jb, _mm512_mul_ps(hsum16(part[r]), sc));
+  }
+  float corr[RB];
+  for (int r = 0; r < RB; ++r) {
+    float* s = S.s[r0 + r];
+    const uint32_t seen = visible(R, r0 + r, j0, std::min(n, R.limit[r0 + r] - j0));
+    if (seen == 0) {  // nothing this row sees here: nothing added, nothing rescaled
+      std::fill(s, s + kTile, 0.f);
+      corr[r] = 1.f;
+      continue;
+    }
+    const __mmask16 k0 = static_cast<__mmask16>(seen), k1 = static_cast<__mmask16>(seen >> 16);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 s0 = _mm512_mask_load_ps(neg_inf, k0, s), s1 = _mm512_mask_load_ps(neg_inf, k1, s + 16);
+    const float m_new = std::max(S.m[r0 + r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+    const __m512 mv = _mm512_set1_ps(m_new);
+    const __m512 p0 = _mm512_maskz_mov_ps(k0, jse::exp512(_mm512_sub_ps(s0, mv)));
+    const __m512 p1 = _mm512_maskz_mov_ps(k1, jse::exp512(_mm512_sub_ps(s1, mv)));
+    _mm512_store_ps(s, p0);
+    _mm512_store_ps(s + 16, p1);
+    corr[r] = std::exp(S.m[r0 + r] - m_new);  // 0 on the first tile (m = -inf)
+    S.l[r0 + r] = S.l[r0 + r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+    S.m[r0 + r] = m_new;
+  }
+  __m512 oe[RB][ND], oo[RB][ND], ve[ND], vo[ND];
+  for (int r = 0; r < RB; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r]);
+    for (int c = 0; c < ND; ++c) {
+      oe[r][c] = _mm512_mul_ps(_mm512_load_ps(S.acc[r0 + r] + 32 * c), cr);
+      oo[r][c] = _mm512_mul_ps(_mm512_load_ps(S.acc[r0 + r] + 32 * c + 16), cr);
+    }
+  }
+  for (int64_t jj = 0; jj < n; ++jj) {
+    split_bf16<ND>(v[jj], ve, vo);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 p = _mm512_set1_ps(S.s[r0 + r][jj]);
+      for (int c = 0; c < ND; ++c) oe[r][c] = _mm512_fmadd_ps(p, ve[c], oe[r][c]), oo[r][c] = _mm512_fmadd_ps(p, vo[c], oo[r][c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < ND; ++c) {
+      _mm512_store_ps(S.acc[r0 + r] + 32 * c, oe[r][c]);
+      _mm512_store_ps(S.acc[r0 + r] + 32 * c + 16, oo[r][c]);
+    }
+}
+
+// Rows per call of tile_split: all of q's split vectors and the accumulators stay in registers.
+template <int ND>
+constexpr int kSplitRows = ND <= 2 ? 4 : ND <= 4 ? 2 : 1;
+
+// KV heads kh0 .. kh0 + heads - 1, R's rows head-major (R.n / heads rows a head): a slot's heads are adjacent
+// in the pool, so one item walking them all reads whole slot rows.
+template <int ND>
+__attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows& R, const uint16_t* k_layer,
+                                                     const uint16_t* v_layer, const int32_t* table, int64_t kh0,
+                                                     int64_t heads) {
+  using TileFn = void (*)(Split&, const Rows&, int64_t, int64_t, int64_t, const uint16_t* const*,
+                          const uint16_t* const*, float);
+  static constexpr TileFn kTiles[4] = {&tile_split<ND, 1>, &tile_split<ND, std::min(2, kSplitRows<ND>)>,
+                                       &tile_split<ND, std::min(3, kSplitRows<ND>)>,
+                                       &tile_split<ND, std::min(4, kSplitRows<ND>)>};
+  constexpr int64_t D = 32 * ND;
+  const int64_t row = L.Kh * D;
+  static thread_local Split S;
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R.n; ++r) {
+    S.m[r] = -std::numeric_limits<float>::infinity(), S.l[r] = 0.f;
+    std::fill(S.acc[r], S.acc[r] + D, 0.f);
+    for (int64_t c = 0; c < ND; ++c)
+      for (int64_t i = 0; i < 16; ++i) S.q[r][32 * c + i] = R.q[r][32 * c + 2 * i], S.q[r][32 * c + 16 + i] = R.q[r][32 * c + 2 * i + 1];
+    longest = std::max(longest, R.limit[r]);
+  }
+  const int64_t per_head = R.n / heads;
+  int64_t at[kTile];
+  const uint16_t* krow[kTile];
+  const uint16_t* vrow[kTile];
+  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+    const int64_t n = std::min(kTile, longest - j0);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t j = j0 + jj;
+      at[jj] = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh0 * D;
+    }
+    // The tile after next, requested now (the first call: the next one too): one item's walk alone keeps
+    // too few misses in flight.
+    for (int64_t j = j0 == 0 ? kTile : j0 + 2 * kTile; j < std::min(longest, j0 + 3 * kTile); ++j) {
+      const int64_t a = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh0 * D;
+      const char *kp = reinterpret_cast<const char*>(k_layer + a), *vp = reinterpret_cast<const char*>(v_layer + a);
+      for (int64_t b = 0; b < 2 * D * heads; b += 64) _mm_prefetch(kp + b, _MM_HINT_T0), _mm_prefetch(vp + b, _MM_HINT_T0);
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t jj = 0; jj < n; ++jj) krow[jj] = k_layer + at[jj] + h * D, vrow[jj] = v_layer + at[jj] + h * D;
+      for (int64_t r0 = h * per_head; r0 < (h + 1) * per_head;) {
+        const int64_t rb = std::min<int64_t>(kSplitRows<ND>, (h + 1) * per_head - r0);
+        kTiles[rb - 1](S, R, r0, j0, n, krow, vrow, L.scale);
+        r0 += rb;
+      }
+    }
+  }
+  // Back to element order: lanes i of the even / odd halves are elements 2i / 2i + 1.
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t r = 0; r < R.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(S.l[r] > 0.f ? 1.f / S.l[r] : 0.f);
+    for (int64_t c = 0; c < ND; ++c) {
+      const __m512 e = _mm512_load_ps(S.acc[r] + 32 * c), o = _mm512_load_ps(S.acc[r] + 32 * c + 16);
+      _mm512_storeu_ps(R.out[r] + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), inv));
+      _mm512_storeu_ps(R.out[r] + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), inv));
+    }
+  }
+}
+
+// Whether a tile of `count` query tokens over a bf16 pool takes attend_split.
+inline bool split_path(const Layout& L, int64_t count) { return kAvx512 && count <= kTileQ && (L.D == 64 || L.D == 128); }
 
 // Everything a helper thread touches; shared-owned, so a helper that starts after the call returned only
 // finds no work left.
@@ -333,26 +529,39 @@ struct Job {
   struct Tile {
     int32_t seq, first, count;  // query tokens first .. first + count - 1 of sequence seq
     int64_t ctx0;               // KV positions before the first one (its causal limit - 1)
+    int64_t window;             // KV position of the sequence's first step token
   };
+  const int32_t* tree = nullptr;  // tree masks [T], or none (causal)
   std::vector<Tile> tiles;
-  int64_t items = 0;  // tiles x KV heads
+  struct Item {
+    int32_t tile, kh0, heads;  // KV heads kh0 .. kh0 + heads - 1 of one tile
+  };
+  std::vector<Item> work;
+  int64_t items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void item(int64_t i) const {
-    const Tile& t = tiles[i / L.Kh];
-    const int64_t kh = i % L.Kh;
+    const Item& w = work[i];
+    const Tile& t = tiles[w.tile];
     Rows R;
-    for (int64_t ti = 0; ti < t.count; ++ti)
-      for (int64_t g = 0; g < L.G; ++g, ++R.n) {
-        const int64_t at = ((t.first + ti) * L.H + kh * L.G + g) * L.D;
-        R.q[R.n] = q + at, R.out[R.n] = out + at, R.limit[R.n] = t.ctx0 + ti + 1;
-      }
+    for (int64_t kh = w.kh0; kh < w.kh0 + w.heads; ++kh)
+      for (int64_t ti = 0; ti < t.count; ++ti)
+        for (int64_t g = 0; g < L.G; ++g, ++R.n) {
+          const int64_t at = ((t.first + ti) * L.H + kh * L.G + g) * L.D;
+          R.q[R.n] = q + at, R.out[R.n] = out + at, R.limit[R.n] = t.ctx0 + ti + 1;
+          if (tree) R.bits[R.n] = static_cast<uint32_t>(tree[t.first + ti]), R.window[R.n] = t.window;
+        }
+    R.tree = tree != nullptr;
     const int32_t* table = tables + static_cast<int64_t>(t.seq) * L.max_blocks;
+    if constexpr (std::is_same_v<KV, uint16_t>) {
+      if (split_path(L, t.count) && L.D == 64) return attend_split<2>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
+      if (split_path(L, t.count) && L.D == 128) return attend_split<4>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
+    }
     if (t.count > kTileQ)  // a long tile: AVX-512 (see Run)
-      attend_512<KV>(L, R, k_layer, v_layer, table, kh);
+      attend_512<KV>(L, R, k_layer, v_layer, table, w.kh0);
     else
-      attend<KV>(L, R, k_layer, v_layer, table, kh);
+      attend<KV>(L, R, k_layer, v_layer, table, w.kh0);
   }
   void loop() {
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
@@ -364,10 +573,10 @@ struct Job {
 
 template <typename KV>
 ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* k, const KV* v,
-               const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl, int64_t S, int64_t layer,
-               float* out) {
+               const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl, const int32_t* tree, int64_t S,
+               int64_t layer, float* out) {
   auto job = std::make_shared<Job<KV>>();
-  job->L = L, job->q = q, job->tables = tables, job->out = out;
+  job->L = L, job->q = q, job->tables = tables, job->out = out, job->tree = tree;
   const int64_t layer_elems = L.P * L.B * L.Kh * L.D;
   job->k_layer = k + layer * layer_elems, job->v_layer = v + layer * layer_elems;
   std::vector<bool> covered(L.T, false);
@@ -380,18 +589,31 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
       if (tables[s * L.max_blocks + i] < 0 || tables[s * L.max_blocks + i] >= L.P)
         return ffi::Error::InvalidArgument("paged attention: block table entry out of range");
     // Long query runs (prefill chunks) take tiles of 16 tokens on the AVX-512 path: many rows share each
-    // K/V tile. Short ones (decode, verify windows) keep tiles of 4 and the AVX2 path.
+    // K/V tile. Short ones (decode, verify windows) keep tiles of 4: attend_split over bf16 on AVX-512, else
+    // the AVX2 path.
     const int64_t tile_q = kAvx512 && L.D % 16 == 0 && n >= 2 * kTileQLong ? kTileQLong : kTileQ;
     for (int64_t t = a; t < b; t += tile_q) {
       const int64_t count = std::min(tile_q, b - t);
       job->tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), static_cast<int32_t>(count),
-                            len - n + (t - a)});
+                            len - n + (t - a), len - n});
     }
     std::fill(covered.begin() + a, covered.begin() + b, true);
   }
   for (int64_t t = 0; t < L.T; ++t)  // padding tokens
     if (!covered[t]) std::fill(out + t * L.H * L.D, out + (t + 1) * L.H * L.D, 0.f);
-  job->items = static_cast<int64_t>(job->tiles.size()) * L.Kh;
+  // Short tiles on the split path take every KV head in one item (whole slot rows) when there are enough
+  // of them to keep the threads busy.
+  int64_t short_tiles = 0;
+  for (const auto& t : job->tiles) short_tiles += std::is_same_v<KV, uint16_t> && split_path(L, t.count);
+  const bool whole = short_tiles >= 4 * std::max<int64_t>(1, pool.num_threads()) && kTileQ * L.H <= kMaxRows;
+  for (int32_t i = 0; i < static_cast<int32_t>(job->tiles.size()); ++i) {
+    if (whole && std::is_same_v<KV, uint16_t> && split_path(L, job->tiles[i].count)) {
+      job->work.push_back({i, 0, static_cast<int32_t>(L.Kh)});
+      continue;
+    }
+    for (int32_t kh = 0; kh < L.Kh; ++kh) job->work.push_back({i, kh, 1});
+  }
+  job->items = static_cast<int64_t>(job->work.size());
   // Work sharing as in skinny_matmul.cc: the caller takes items too, so the call completes even when the
   // pool is busy.
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items) - 1;
@@ -404,27 +626,30 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                              ffi::Buffer<ffi::S32> layer, float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tree_mask, float sm_scale,
+                              ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || bd.size() != 2 || k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged attention: want q [T, H, D], pools [L, P, B, K, D], tables [S, M]");
   Layout L{qd[0], qd[1], kd[3], qd[1] / kd[3], qd[2], kd[1], kd[2], bd[1], sm_scale};
   const int64_t S = bd[0];
   if (kd[4] != L.D || L.H % L.Kh != 0 || L.G > kMaxG || L.D % 8 != 0 || L.D > kMaxD ||
-      seq_lens.element_count() != S || query_start_loc.element_count() != S + 1)
+      seq_lens.element_count() != S || query_start_loc.element_count() != S + 1 ||
+      (tree_mask.element_count() != 0 && tree_mask.element_count() != L.T))
     return ffi::Error::InvalidArgument("paged attention: unsupported or inconsistent shapes");
   const int64_t lay = layer.typed_data()[0];
   if (lay < 0 || lay >= kd[0]) return ffi::Error::InvalidArgument("paged attention: layer out of range");
   const float* qp = q.typed_data();
   const int32_t *tp = block_tables.typed_data(), *sp = seq_lens.typed_data(), *qs = query_start_loc.typed_data();
   float* op = out->typed_data();
+  const int32_t* tree = tree_mask.element_count() ? tree_mask.typed_data() : nullptr;
   switch (k_pages.element_type()) {
     case ffi::DataType::F32:
       return Run(pool, L, qp, static_cast<const float*>(k_pages.untyped_data()),
-                 static_cast<const float*>(v_pages.untyped_data()), tp, sp, qs, S, lay, op);
+                 static_cast<const float*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, op);
     case ffi::DataType::BF16:
       return Run(pool, L, qp, static_cast<const uint16_t*>(k_pages.untyped_data()),
-                 static_cast<const uint16_t*>(v_pages.untyped_data()), tp, sp, qs, S, lay, op);
+                 static_cast<const uint16_t*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, op);
     default:
       return ffi::Error::InvalidArgument("paged attention: the pool must be f32 or bf16");
   }
@@ -442,6 +667,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tree_mask [T], or [0]: causal
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
 );

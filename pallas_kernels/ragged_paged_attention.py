@@ -55,18 +55,16 @@ Limitations
   loop's pool operands in float32 and converts the whole `[L, P, B, K, D]` pool
   once per call, so CPU cost grows with the pool size (float32 pools do not).
 
-Token-tree masks (Medusa / EAGLE), later
----------------------------------------
-Only the mask line of the kernel changes. Add an optional
-`tree_mask: int32 [T]` argument (per query token, a bitmask over the in-step
-window of its sequence: bit `j` set iff the token may see the step's `j`-th
-token; `None` = plain causal). The wrapper gathers it into a per-tile
-`[NT, R]` operand alongside the query tile (rows already know their token);
-inside the kernel, for KV positions `>= seq_len - q_len` (the window), the
-causal test `kv_pos <= row_pos` is AND-ed with
-`(row_bits >> (kv_pos - window_start)) & 1`. The tile map, grid, and KV loop
-need no change (the causal limit stays an upper bound of what a tree token can
-see). Windows wider than 32 tokens would use several int32 words.
+Token-tree masks (Medusa / EAGLE)
+--------------------------------
+With `tree_mask` (int32 `[T]`, per query token a bitmask over the first 32
+step tokens of its sequence; `reference.tree_visible` is the rule) the
+wrapper gathers each row's mask into a per-tile `[NT, R]` operand beside the
+query tile and passes each tile's window start (`seq_len - q_len`). Inside the
+kernel the causal test is AND-ed with the tree test for KV positions in the
+window; the tile map, grid and KV loop do not change (the causal limit stays an
+upper bound of what a tree token can see). Without it the kernel is the causal
+one, operand for operand.
 """
 
 from __future__ import annotations
@@ -80,6 +78,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.reference import TREE_WINDOW
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -128,8 +128,10 @@ def tile_layout(query_start_loc: jax.Array, seq_lens: jax.Array, block_q: int, n
     return seq, first, pos0, nq
 
 
-def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
-            *, scale: float, gp: int, block_size: int, nblk: int, precision):
+def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, k_ref, v_ref, *rest,
+            scale: float, gp: int, block_size: int, nblk: int, precision):
+    tree = len(rest) == 3  # (window start per tile, tree mask per row, out) or (out,)
+    o_ref = rest[-1]
     j = pl.program_id(0)
     h = pl.program_id(1)
     R, D = q_ref.shape
@@ -145,6 +147,9 @@ def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, 
 
     q = q_ref[...]  # [R, D]
     row_pos = pos0 + lax.broadcasted_iota(jnp.int32, (R,), 0) // gp  # [R]
+    if tree:
+        window = rest[0][j]  # KV position of the sequence's first step token
+        row_bits = rest[1][...]  # [R]
 
     def load(ref, c):
         if nblk == 1:
@@ -164,6 +169,10 @@ def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, 
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [R, BK] f32
         kv_pos = c * BK + lax.broadcasted_iota(jnp.int32, (BK,), 0)
         mask = kv_pos[None, :] <= row_pos[:, None]
+        if tree:  # reference.tree_visible, for KV positions in the window
+            rel = kv_pos - window
+            bit = jnp.right_shift(row_bits[:, None], jnp.clip(rel, 0, TREE_WINDOW - 1)[None, :]) & 1
+            mask &= ((rel < 0) | (rel >= TREE_WINDOW))[None, :] | (bit == 1)
         s = jnp.where(mask, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
@@ -206,8 +215,9 @@ def ragged_paged_attention(
     backend: str | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal ragged paged attention (Pallas); semantics of the jnp reference.
+    """Causal (or token-tree) ragged paged attention (Pallas); semantics of the jnp reference.
 
     Args:
       q: `[T, H, D]` queries (float32 or bfloat16); `D` a power of two.
@@ -226,6 +236,7 @@ def ragged_paged_attention(
         same kernel in Pallas interpret mode. Pass "cuda" to lower the GPU path
         on a CPU-only machine (`.lower(lowering_platforms=("cuda",))`).
       num_warps, num_stages: Triton compiler parameters.
+      tree_mask: optional int32 `[T]` token-tree masks (`reference.tree_visible`); None = causal.
     Returns:
       `[T, H, D]` in `q.dtype`.
     """
@@ -266,18 +277,24 @@ def ragged_paged_attention(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(_kernel, scale=scale, gp=Gp, block_size=B, nblk=nblk, precision=precision)
     whole = pl.BlockSpec()  # no block shape: the kernel sees the whole array (pointer + strides on Triton)
+    tile_spec = pl.BlockSpec((None, None, R, D), lambda j, h: (j, h, 0, 0))
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_nq, bt, q_tiles, k_pages, v_pages]
+    in_specs = [whole, whole, whole, whole, whole, tile_spec, whole, whole]
+    if tree_mask is not None:
+        window = tile_pos0 - (tile_first - query_start_loc[tile_seq])
+        bits = jnp.repeat(tree_mask.astype(jnp.int32)[tok], Gp, axis=1)  # [NT, R], rows token-major
+        operands += [window, bits]
+        in_specs += [whole, pl.BlockSpec((None, R), lambda j, h: (j, 0))]
     out_tiles = pl.pallas_call(
         kernel,
         grid=(NT, K),
-        in_specs=[whole, whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, R, D), lambda j, h: (j, h, 0, 0)),
-                  whole, whole],
-        out_specs=pl.BlockSpec((None, None, R, D), lambda j, h: (j, h, 0, 0)),
+        in_specs=in_specs,
+        out_specs=tile_spec,
         out_shape=jax.ShapeDtypeStruct((NT, K, R, D), q.dtype),
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="ragged_paged_attention",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_nq, bt, q_tiles, k_pages, v_pages)
+    )(*operands)
 
     # Back to [T, H, D]: token t is row (t - first token of its sequence) of its sequence's tiles.
     t = jnp.arange(T, dtype=jnp.int32)

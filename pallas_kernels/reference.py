@@ -38,6 +38,29 @@ def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: in
     return seq_ids, positions, valid
 
 
+TREE_WINDOW = 32  # step tokens of a sequence that a tree mask covers (one int32 word)
+
+
+def tree_visible(tree_mask: jax.Array, index: jax.Array) -> jax.Array:
+    """Whether a query token with bitmask `tree_mask` may see its sequence's step token number `index`.
+
+    The rule every attention kernel applies on top of causality: bit `index`
+    of the mask for `index < 32`; step tokens from the 33rd on are not gated
+    (a tree window holds at most 32 tokens; longer runs are prefill chunks).
+    A chain is the causal case (`causal_tree_mask`). Broadcasting int32 arrays;
+    returns bool.
+    """
+    bit = jnp.right_shift(tree_mask, jnp.clip(index, 0, TREE_WINDOW - 1)) & 1
+    return (index >= TREE_WINDOW) | (bit == 1)
+
+
+def causal_tree_mask(index: jax.Array) -> jax.Array:
+    """int32 mask of the step token number `index` that sees exactly the causal ones (0..index)."""
+    index = jnp.asarray(index, jnp.int32)
+    ones = jnp.left_shift(jnp.int32(1), jnp.clip(index + 1, 0, TREE_WINDOW - 1)) - 1
+    return jnp.where(index >= TREE_WINDOW - 1, jnp.int32(-1), ones)
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     k_pages: jax.Array,
@@ -48,13 +71,17 @@ def ragged_paged_attention_reference(
     layer: jax.Array,
     *,
     sm_scale: float | None = None,
+    tree_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal attention of ragged query tokens over a paged KV pool.
+    """Causal (or token-tree) attention of ragged query tokens over a paged KV pool.
 
     Query token `i` of sequence `s` (with query length `n_s` and KV length
     `seq_lens[s]`) sits at position `seq_lens[s] - n_s + i` and attends to KV
     positions `0..` that position: the cached prefix plus its own earlier
     tokens. Serves decode (n_s = 1), chunked prefill and verify windows alike.
+    With `tree_mask`, a verify window is a token tree (SpecInfer, Miao et al.
+    2024, §4.2 "tree-based parallel decoding"): its tokens still see the whole
+    cached prefix, but of the step's own tokens only those `tree_visible` allows.
 
     Args:
       q: `[T, H, D]` queries (float32 or bfloat16).
@@ -66,8 +93,11 @@ def ragged_paged_attention_reference(
       layer: int32 scalar, the layer to read (the pool is not sliced, so no
         layer-sized copy is made).
       sm_scale: softmax scale, default `1/sqrt(D)`.
+      tree_mask: optional int32 `[T]`, per query token a bitmask over its
+        sequence's first 32 step tokens (see `tree_visible`); None = causal.
     Returns:
-      `[T, H, D]` in `q.dtype`; accumulation and softmax are float32.
+      `[T, H, D]` in `q.dtype`; accumulation and softmax are float32. A token
+      that sees no position at all gets zeros.
     """
     T, H, D = q.shape
     _, _, B, K, _ = k_pages.shape
@@ -96,6 +126,9 @@ def ragged_paged_attention_reference(
     s = jnp.einsum("kgtd,ukd->kgtu", qh, k_new)
     mask = (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
     mask &= valid[:, None] & valid[None, :]
+    if tree_mask is not None:
+        index = jnp.arange(T, dtype=jnp.int32) - query_start_loc[seq_ids]  # each token's index in its window
+        mask &= tree_visible(tree_mask[:, None], index[None, :])
     s = s + jnp.where(mask, 0.0, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)

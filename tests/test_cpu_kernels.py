@@ -303,6 +303,23 @@ def test_paged_attention_long_chunks_equal_reference(dtype, D):
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_attention_short_rows_over_bf16_equal_reference(D):
+    """Decode and verify rows over a bf16 pool (the split even/odd path on AVX-512: one item per sequence
+    over all KV heads once there are 8+ short tiles): float32 q against the reference within 1e-5, contexts
+    ending on, before and after tile (32) and 16-position boundaries, beside a prefill chunk."""
+    q_lens = [1] * 12 + [3, 4, 2, 40]
+    kv_lens = [1, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 250, 3, 70, 130, 90]
+    q, k, v, bt, sl, qsl = make_batch(11, q_lens, kv_lens, heads=9, kv_heads=3, head_dim=D, block_size=16,
+                                      pad_tokens=2, dtype=jnp.float32)
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    for few in (False, True):  # 16 sequences; then 3 (one item per KV head)
+        args = (q, k, v, bt, sl, qsl) if not few else (q[:3], k, v, bt[:3], sl[:3], qsl[:4])
+        got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)))
+        want = np.asarray(ragged_paged_attention_reference(*args, 1))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_attention_rejects_out_of_range_tables():
     """A block id past the pool raises instead of reading outside it."""
     q, k, v, bt, sl, qsl = make_batch(0, [1, 2], [20, 9], heads=4, kv_heads=2, head_dim=16, block_size=8)
@@ -326,8 +343,9 @@ def test_engine_native_attention_equals_reference():
 
 
 def test_avx2_path_equals_reference():
-    """The AVX2 kernel, forced on an AVX-512 machine (JSE_CPU_ISA=avx2) in a fresh process: every row count
-    of its chunks (1..6, then a second chunk) and weight dtype against the reference, batch-invariant."""
+    """The AVX2 kernels, forced on an AVX-512 machine (JSE_CPU_ISA=avx2) in a fresh process: the skinny
+    matmul at every row count of its chunks (1..6, then a second chunk) and weight dtype against the
+    reference, batch-invariant; paged attention's decode, verify and prefill rows over f32 and bf16 pools."""
     import os
     import subprocess
     import sys
@@ -345,6 +363,14 @@ def test_avx2_path_equals_reference():
         f"        np.testing.assert_allclose(got, want, rtol={RTOL}, atol={RTOL} * np.abs(want).max())\n"
         "        one = np.asarray(jax.jit(ck.skinny_matmul)(x[-1:], p))\n"
         "        np.testing.assert_array_equal(one[0], got[-1])\n"
+        "from pallas_kernels.reference import ragged_paged_attention_reference as ref\n"
+        "from tests.test_pallas_attention import make_batch\n"
+        "for dtype in ('float32', 'bfloat16'):\n"
+        "    args = make_batch(3, [1, 4, 40], [33, 70, 90], heads=9, kv_heads=3, head_dim=64, block_size=16,\n"
+        "                      pad_tokens=1, dtype=dtype)\n"
+        "    got = np.asarray(jax.jit(ck.paged_attention)(*args, 1), np.float32)\n"
+        "    want = np.asarray(ref(*args, 1), np.float32)\n"
+        "    np.testing.assert_allclose(got, want, atol=2e-2 if dtype == 'bfloat16' else 1e-5, rtol=2e-2)\n"
         "print('ok')\n")
     env = {**os.environ, "JSE_CPU_ISA": "avx2", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
