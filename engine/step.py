@@ -44,14 +44,15 @@ AMX_SKINNY_MAX_ROWS = 16
 NATIVE_ATTENTION_MAX_TOKENS = 512
 
 
-def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer):
+def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer, tree_mask=None):
     """Paged attention on CPU, chosen at trace time from static shapes: the native kernel
     (`cpu_kernels.paged_attention`) for steps of at most `NATIVE_ATTENTION_MAX_TOKENS` tokens with head shapes it
     takes, else `ragged_paged_attention_reference`. Same contract as both."""
     T, H, D = q.shape
+    args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer)
     if T <= NATIVE_ATTENTION_MAX_TOKENS and cpu_kernels.paged_attention_supported(H, k_pages.shape[3], D):
-        return cpu_kernels.paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer)
-    return ragged_paged_attention_reference(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer)
+        return cpu_kernels.paged_attention(*args, tree_mask=tree_mask)
+    return ragged_paged_attention_reference(*args, tree_mask=tree_mask)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -193,15 +194,20 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> Sam
     return Sampled(tokens, *jax.lax.cond(jnp.any(want), compute, skip))
 
 
-def paged_attend(batch: StepBatch, attention: Callable):
-    """An `AttendFn` that writes this step's K/V at `slot_mapping` and reads through the block table."""
+def paged_attend(batch: StepBatch, attention: Callable, tree_mask: jax.Array | None = None):
+    """An `AttendFn` that writes this step's K/V at `slot_mapping` and reads through the block table.
+
+    `tree_mask` (int32 `[T]`, `pallas_kernels.reference.tree_visible`) makes verify windows token trees:
+    each window token then sees its ancestors only (`engine.tree_verify`)."""
+    extra = {} if tree_mask is None else {"tree_mask": tree_mask}
 
     def attend(q, k, v, layer, pool: KVPool):
         B = pool.k.shape[2]
         blk, off = batch.slot_mapping // B, batch.slot_mapping % B
         pool = KVPool(pool.k.at[layer, blk, off].set(k.astype(pool.k.dtype)),
                       pool.v.at[layer, blk, off].set(v.astype(pool.v.dtype)))
-        out = attention(q, pool.k, pool.v, batch.block_tables, batch.seq_lens, batch.query_start_loc, layer)
+        out = attention(q, pool.k, pool.v, batch.block_tables, batch.seq_lens, batch.query_start_loc, layer,
+                        **extra)
         return out, pool
 
     return attend

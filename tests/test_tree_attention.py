@@ -150,3 +150,70 @@ def test_token_that_sees_nothing_gets_zeros():
     for got in (ragged_paged_attention(*args, 1, tree_mask=tree),
                 ck.paged_attention(*args, jnp.int32(1), tree_mask=tree)):
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+# ---- through the model: a tree window, then the accepted path moved into place ------------------------
+
+
+def _batch(tokens, positions, slots, seq_len, table):
+    """A one-sequence StepBatch (greedy; only the model's inputs matter here)."""
+    from engine.step import StepBatch
+    T = len(tokens)
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return StepBatch(token_ids=i32(tokens), positions=i32(positions), slot_mapping=i32(slots),
+                     query_start_loc=i32([0, T]), seq_lens=i32([seq_len]), block_tables=i32(table[None]),
+                     logits_indices=i32([T - 1]), temperature=jnp.zeros(1), top_k=i32([0]), top_p=jnp.ones(1),
+                     min_p=jnp.zeros(1), seeds=jnp.zeros(1, jnp.uint32), want_logprobs=jnp.zeros(1, bool))
+
+
+@pytest.mark.parametrize("attention", ["reference", "native", "pallas"])
+def test_tree_window_through_the_model_equals_each_path_as_a_chain(attention):
+    """tiny-llama, block size 4 over a shuffled block table: after a 13-token prefill, a 10-node tree window
+    (root = the prompt's last token, RoPE position = root + depth, KV at root + node index, tree masks) gives at
+    every node the dense forward's logits for the root-to-node path; after `move_path_kv` puts an accepted path
+    (nodes 2, 7) at consecutive positions, a decode step equals the dense forward of prompt + path + token."""
+    from flax import nnx
+
+    from engine.step import KVPool, cpu_paged_attention, paged_attend
+    from engine.tree_verify import move_path_kv, tree_masks
+    from model.config import get_preset
+    from model.llama import Llama
+
+    attend_fn = {"reference": ragged_paged_attention_reference, "native": cpu_paged_attention,
+                 "pallas": ragged_paged_attention}[attention]
+    cfg = get_preset("tiny-llama")
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, cfg.vocab_size, 14).tolist()
+    parents = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]
+    nodes = rng.integers(3, cfg.vocab_size, len(parents)).tolist()
+    nodes[0] = prompt[-1]
+    B, table = 4, np.asarray([5, 2, 7, 0, 3, 6, 1, 4], np.int32)
+    slot = lambda pos: table[pos // B] * B + pos % B  # noqa: E731
+    pool = KVPool.zeros(cfg, 8, B)
+
+    def run(pool, batch, mask=None):
+        hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attend_fn, mask), pool)
+        return np.asarray(model.logits(hidden)), pool
+
+    root = len(prompt) - 1
+    _, pool = run(pool, _batch(prompt[:-1], range(root), [slot(p) for p in range(root)], root, table))
+    masks, depth = tree_masks(jnp.asarray([parents], jnp.int32))
+    window = range(root, root + len(nodes))
+    logits, pool = run(pool, _batch(nodes, root + np.asarray(depth[0]), [slot(p) for p in window],
+                                    root + len(nodes), table), masks[0])
+    for i in range(len(nodes)):
+        path, j = [], i
+        while j > 0:
+            path.insert(0, nodes[j])
+            j = parents[j]
+        dense = np.asarray(model.dense_logits(jnp.asarray([prompt + path]))[0, -1])
+        np.testing.assert_allclose(logits[i], dense, atol=2e-5, rtol=0, err_msg=f"node {i}")
+
+    accepted = jnp.asarray([[2, 7] + [-1] * 8], jnp.int32)
+    pool = KVPool(*(move_path_kv(x, jnp.asarray(table[None]), jnp.asarray([root], jnp.int32), accepted)
+                    for x in (pool.k, pool.v)))
+    nxt = root + 3
+    logits, _ = run(pool, _batch([11], [nxt], [slot(nxt)], nxt + 1, table))
+    dense = np.asarray(model.dense_logits(jnp.asarray([prompt + [nodes[2], nodes[7], 11]]))[0, -1])
+    np.testing.assert_allclose(logits[0], dense, atol=2e-5, rtol=0)
