@@ -1,4 +1,5 @@
-"""Times the ragged paged attention kernel next to the jnp reference and JAX's Pallas paged_attention.
+"""Times the ragged paged attention kernel next to the jnp reference and JAX's Pallas paged_attention,
+and, on CPU, the native kernel on decode rows and on verify windows as chains and as token trees.
 
     python benchmarks/attention_kernels.py [--reps 3]
 
@@ -10,6 +11,10 @@ interpreter is. On GPU the same script times the Triton kernels.
 Shapes are SmolLM2-135M attention (H=9, K=3, D=64, block size 16, bf16, L=30):
   decode : S=8 sequences x 1 token, KV length 256 each
   prefill: S=1 sequence, 512 new tokens after a 0-token prefix (T=512)
+Native kernel table (CPU, `cpu_kernels.paged_attention`, all 30 layers per call):
+  decode rows at 64 x 256 and 8 x 256 context positions; verify windows of
+  16 tokens after 300 cached positions, 1 and 4 sequences, causal (a chain)
+  and with the tree masks of a random 16-node tree (depth <= 5, width <= 4).
 `jax.experimental.pallas.ops.gpu.paged_attention` is decode-only and wants a
 `[K, P, B, D]` single-layer pool: the layer is sliced and transposed outside
 the timed call (a copy our kernel does not need), its K/V heads padded to
@@ -101,6 +106,37 @@ def main():
     widths = [max(len(str(r[i])) for r in rows + [hdr]) for i in range(len(hdr))]
     for r in [hdr] + rows:
         print(" | ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    import cpu_kernels
+    if backend == "cpu" and cpu_kernels.available():
+        native_table(a.reps)
+
+
+def native_table(reps):
+    """The native kernel over every layer: decode rows, and verify windows causal vs tree-masked."""
+    import cpu_kernels
+    from engine.tree_verify import tree_masks
+
+    all_layers = lambda **kw: jax.jit(lambda *a: sum(  # noqa: E731
+        cpu_kernels.paged_attention(*a, jnp.int32(layer), **kw).sum() for layer in range(L)))
+    rng = np.random.default_rng(0)
+    parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 16)]
+    masks, _ = tree_masks(jnp.asarray([parents], jnp.int32))
+    rows = []
+    for name, q_lens, kv_lens in [("decode S=64 kv=256", [1] * 64, [256] * 64),
+                                  ("decode S=8 kv=256", [1] * 8, [256] * 8),
+                                  ("verify S=1 16 tokens kv=316", [16], [316]),
+                                  ("verify S=4 16 tokens kv=316", [16] * 4, [316] * 4)]:
+        args = make(q_lens, kv_lens)
+        causal, _ = bench(all_layers(), args, reps)
+        tree = "—"
+        if name.startswith("verify"):
+            t, _ = bench(all_layers(tree_mask=jnp.tile(masks[0], len(q_lens))), args, reps)
+            tree = f"{t:.2f}"
+        rows.append((name, f"{causal:.2f}", tree))
+    print(f"\nnative kernel (CPU, {L} layers per call, bf16 pool), median of {reps} runs, ms")
+    print("| shape | causal | tree masks |\n|---|---:|---:|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
 
 
 def jax_paged_attention(args, reps, backend):

@@ -1,8 +1,8 @@
 """Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the EAGLE head, a draft
-model, n-gram lookup.
+model, n-gram lookup (chains, and token trees: "ngram-tree").
 
   python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
-      [--max_tokens=64] [--proposers=eagle,draft,ngram] [--temperature=0]
+      [--max_tokens=64] [--proposers=eagle,draft,ngram,ngram-tree] [--tree_nodes=12] [--temperature=0]
 
 For each domain, proposer, batch size B and K: B real prompts (chat template, greedy or
 seeded sampling at --temperature, `ignore_eos`) decode together. Decode steps are timed from the second step
@@ -58,7 +58,9 @@ flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
-flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds).")
+flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree: "
+                  "n-gram token trees of --tree_nodes nodes, K deep).")
+flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree proposal.")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's / head's weights in the CPU kernel (default: their dtype).")
@@ -185,6 +187,8 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
+        if name == "ngram-tree":
+            return LLM(target, speculative="ngram", num_tree_nodes=FLAGS.tree_nodes, **kw)
         return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                    **kw)
 

@@ -229,14 +229,15 @@ class Engine:
         timing.schedule, timing.block_ops = t1 - t0 - timing.propose, t2 - t1
         outputs = []
         if plan.seqs:
-            K, proposals = None, None
+            K, proposals, parents = None, None, None
             if self.proposer is not None:
                 K = self.proposer.step_k(plan, self.num_steps)
-                proposals = self.proposer.proposals(plan) if K else None
+                if K:
+                    proposals, parents = self.proposer.proposals(plan), self.proposer.tree_parents(plan)
                 timing.propose += time.perf_counter() - t2
             t3 = time.perf_counter()
             packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
-                                             for s in plan.seqs}, K, proposals)
+                                             for s in plan.seqs}, K, proposals, parents)
             timing.pack = time.perf_counter() - t3
             result = self.runner.run(packed, K, timing)
             t4 = time.perf_counter()
@@ -270,8 +271,9 @@ class Engine:
             if s.num_draft:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
-                self.stats.add_verify(s.num_draft, accepted[i])
-                self.proposer.record(r, s.num_draft, accepted[i], self.num_steps)
+                depth = self.proposer.depth(r, s.num_draft)  # a tree's path positions
+                self.stats.add_verify(depth, accepted[i])
+                self.proposer.record(r, depth, accepted[i], self.num_steps)
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()
             logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None

@@ -40,6 +40,9 @@ class LLM:
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
         (adaptive speculation lowers it per request class where acceptance is low).
+      num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
+        this many nodes (1..31), each path at most K deep ("ngram": the
+        continuations of every earlier match, verified in one tree window).
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -48,7 +51,7 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
-                 num_speculative_tokens: int = 4, **engine_args):
+                 num_speculative_tokens: int = 4, num_tree_nodes: int = 0, **engine_args):
         from checkpoints.draft import AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, draft_names, load_draft
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
@@ -72,7 +75,7 @@ class LLM:
                 speculative = "eagle" if FC in draft.params else "draft"
         speculation = None
         if speculative is not None:
-            speculation = SpeculationConfig(num_speculative_tokens, method=speculative)
+            speculation = SpeculationConfig(num_speculative_tokens, method=speculative, tree_nodes=num_tree_nodes)
         self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft, speculation=speculation)
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -38,7 +38,7 @@ from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, 
 from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
 from engine.step import KVPool, build_model, kv_bytes_per_block
 from model.eagle import FC
-from scheduler.ngram import lookup
+from scheduler.ngram import lookup, lookup_tree
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
 
@@ -126,7 +126,7 @@ class Proposer:
                 continue
             a = self.alpha(r)
             if self._outside_gate(r):
-                fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, k)
+                fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, self.depth(r, k))
                 work += self._extra_pairs(r, k)
             else:
                 rows.append((a, k, r))
@@ -137,7 +137,7 @@ class Proposer:
             drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
             for m, (a, k, r) in enumerate(rows, 1):
                 k = min(k, cap)
-                drafted, tokens, top = drafted + k, tokens + expected_accepted(a, k), max(top, k)
+                drafted, tokens, top = drafted + k, tokens + expected_accepted(a, self.depth(r, k)), max(top, k)
                 work += self._extra_pairs(r, k)
                 rate = tokens / self._cost(B, drafted, top, work, plain_at, base)
                 if rate > best:
@@ -182,7 +182,9 @@ class Proposer:
         K is (`engine.speculative._window_rows`), so one program (the largest K) serves every draft
         length and the compiled programs stay few (XLA:CPU maps ~600 memory regions per step program,
         and a process gets 65530: BUILD.md)."""
-        return self.config.ladder if self.on_device else (self.config.num_speculative_tokens,)
+        if self.on_device:
+            return self.config.ladder
+        return (self.config.tree_nodes or self.config.num_speculative_tokens,)
 
     def step_k(self, plan: StepPlan, step: int) -> int | None:
         """The step's program: None (target only) or the smallest of `program_ks` >= every draft length."""
@@ -193,6 +195,16 @@ class Proposer:
         """A host proposer's draft tokens for each drafting row of `plan` (None for a device proposer)."""
         return None
 
+    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        """For token-tree proposals, each drafting row's node parents (`scheduler.packing.pack`); None: chains."""
+        return None
+
+    def depth(self, request: Request, k: int) -> int:
+        """The longest path among the first `k` draft tokens of `request`'s proposal (k for a chain). The
+        gate prices a window of k tokens but expects acceptance along one path of this length, and acceptance
+        is recorded per path position."""
+        return k
+
     def pools(self, num_blocks: int, block_size: int) -> tuple:
         """A device proposer's pools, indexed by the target's block tables (none for a host proposer)."""
         return ()
@@ -202,7 +214,8 @@ class Proposer:
         return 0
 
     def record(self, request: Request, num_draft: int, num_accepted: int, step: int) -> None:
-        """One verify step's outcome for `request` (adapts K for it and its class, and the class's alpha)."""
+        """One verify step's outcome for `request` (adapts K for it and its class, and the class's alpha);
+        `num_draft` counts path positions (`depth`)."""
         self.policy.update(request.request_id, request.request_class, num_draft, num_accepted, step)
         if num_draft:
             self._acceptance.setdefault(self.acceptance_key(request), _Acceptance()).add(
@@ -337,6 +350,12 @@ class NgramProposer(Proposer):
     retrieval-augmented answers) and costs nothing where nothing matches (the
     row then decodes plainly). The lookup is vectorized over the context with
     numpy; each request's context is kept as a growing array.
+
+    With `tree_nodes`, the continuations of every earlier match are merged into
+    a token tree (`scheduler.ngram.lookup_tree`): where the context repeated
+    itself with variations, the verify step tries them all at once
+    (`engine.speculative.make_tree_verify_step`). A draft length the cost gate
+    cuts keeps the first nodes, still a tree (parents come first).
     """
 
     kind = "ngram"
@@ -347,6 +366,7 @@ class NgramProposer(Proposer):
         self._context: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
         self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
         self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
+        self._parents: dict[str, list[int]] = {}  # request id -> its latest tree's node parents
 
     def policy_k(self, request: Request, step: int) -> int:
         """K capped by the request's own `num_speculative_tokens`: which proposals run is the cost gate's
@@ -358,8 +378,14 @@ class NgramProposer(Proposer):
     def wanted(self, request: Request, step: int) -> int:
         """The lookup's proposal length (at most the policy's K); the proposal is kept for `proposals`."""
         k = self.policy_k(request, step)
-        tokens, n = lookup(self._tokens(request), k, self.config.prompt_lookup_max,
-                           self.config.prompt_lookup_min) if k else ([], 0)
+        c = self.config
+        if not k:
+            tokens, n = [], 0
+        elif c.tree_nodes:
+            tokens, self._parents[request.request_id], n = lookup_tree(
+                self._tokens(request), c.tree_nodes, k, c.prompt_lookup_max, c.prompt_lookup_min)
+        else:
+            tokens, n = lookup(self._tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
         self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
         return len(tokens)
 
@@ -371,8 +397,24 @@ class NgramProposer(Proposer):
         return {s.request.request_id: self._proposed[s.request.request_id][:s.num_draft]
                 for s in plan.seqs if s.num_draft}
 
+    def depth(self, request: Request, k: int) -> int:
+        parents = self._parents.get(request.request_id) if self.config.tree_nodes else None
+        if not parents:
+            return k
+        depth = [0]
+        for p in parents[:k]:
+            depth.append(depth[p] + 1)
+        return max(depth)
+
+    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        if not self.config.tree_nodes:
+            return None
+        return {s.request.request_id: self._parents[s.request.request_id][:s.num_draft]
+                for s in plan.seqs if s.num_draft}
+
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
+        self._parents.pop(request_id, None)
         self._context.pop(request_id, None)
         self._proposed.pop(request_id, None)
         self._matched.pop(request_id, None)

@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.distributed import check_same_batch
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
-from engine.speculative import SpecBatch, make_verify_step
+from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_step
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
                          make_step, replicate, scatter_blocks, tensor_parallel_mesh)
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -95,7 +95,8 @@ class EngineStats:
             self.seconds[p] += getattr(timing, p)
 
     def add_verify(self, num_draft: int, num_accepted: int) -> None:
-        """One row's verify: `num_draft` proposed, the first `num_accepted` of them accepted."""
+        """One row's verify: `num_draft` proposed positions (a chain's tokens, a token tree's depth), the first
+        `num_accepted` of them accepted."""
         grow = num_draft - len(self.drafted_at)
         if grow > 0:
             self.drafted_at += [0] * grow
@@ -231,10 +232,10 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------
 
     def pack(self, plan: StepPlan, seeds: dict[str, int], spec_k: int | None = None,
-             proposals: dict[str, list[int]] | None = None) -> PackedBatch:
+             proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None) -> PackedBatch:
         """`plan` padded into its bucket (see `scheduler.packing.pack`)."""
         return pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets, self.seq_buckets,
-                    seeds, spec_k, proposals)
+                    seeds, spec_k, proposals, parents)
 
     def padding_batch(self, T: int, S: int, spec_k: int | None = None) -> PackedBatch:
         """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
@@ -247,14 +248,16 @@ class ModelRunner:
         `spec_k` None runs the target alone (num_emitted is None: one token
         per row); otherwise the draft + verify program for that K
         (`engine.speculative.make_spec_step`), or the verify program of a host
-        proposer (`make_verify_step`). The pools are donated and replaced.
+        proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
+        replaced.
         """
         if spec_k is None:
             sampled, pool = self._step(self.state, self.pools[0], batch)
             self.pools = (pool, *self.pools[1:])
             return sampled, None
         if not self.proposer.on_device:
-            step = make_verify_step(self.graphdef, self._attention, spec_k)
+            make = make_tree_verify_step if self.proposer.config.tree_nodes else make_verify_step
+            step = make(self.graphdef, self._attention, spec_k)
             sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
             self.pools = (pool,)
             return sampled, num_emitted

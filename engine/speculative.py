@@ -24,7 +24,11 @@ Rows with `num_draft = 0` (prefill chunks, requests without speculation)
 are ordinary sampling steps.
 
 A host proposer (n-gram lookup) has packed its tokens into the placeholders
-already; `make_verify_step` runs steps 3 and 4 alone, with a one-hot `p`.
+already; `make_verify_step` runs steps 3 and 4 alone, with a one-hot `p`, and
+`make_tree_verify_step` does the same for token trees: the target attends
+through the tree masks, `engine.tree_verify.verify_tree_coupled` walks the
+tree, and the accepted path's KV moves to consecutive positions in the same
+program.
 
 An EAGLE head (`model.eagle.EagleHead`) drafts from the target's features,
 kept per KV slot in a `FeaturePool` beside the KV pools (`make_eagle_step`):
@@ -54,6 +58,7 @@ from flax import nnx, struct
 
 from engine.sampler import sample
 from engine.step import KVPool, StepBatch, paged_attend, token_logprobs
+from engine.tree_verify import move_path_kv, verify_tree_coupled
 from engine.verify import sample_draft, verify, verify_deterministic
 
 
@@ -66,6 +71,8 @@ class SpecBatch:
     verify_indices: jax.Array  # int32 [S, K+1], packed index of each verify position
     draft_slots: jax.Array  # int32 [K, S], slot of draft pass j's input token (0 = masked)
     draft_tokens: jax.Array  # int32 [S, K], a host proposer's draft tokens (already in the packed tokens)
+    parents: jax.Array  # int32 [S, K+1], each window node's parent (-1: the root or none)
+    tree_mask: jax.Array  # int32 [T], attention masks of the step's tokens (token trees; causal elsewhere)
 
     @classmethod
     def from_packed(cls, spec) -> SpecBatch:
@@ -272,5 +279,42 @@ def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int)
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, None, attention)[:3]
+
+    return step
+
+
+@functools.cache
+def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
+    """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
+    proposer's token trees (a chain is a tree too): window node i of a row holds position root + depth(i)
+    and KV slot root + i, attends to its ancestors (`spec.tree_mask`); the target's token after each node is
+    drawn as the plain sampler draws it, `verify_tree_coupled` follows the nodes that hold them (so the
+    output equals decoding without speculation), and the accepted path's KV is moved to positions
+    root + 1, root + 2, ... before the program returns. Outputs as `make_spec_step`'s; the pool is donated."""
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
+        target = nnx.merge(target_graphdef, target_state)
+        S = spec.num_draft.shape[0]
+        hidden, pool = target(batch.token_ids, batch.positions, paged_attend(batch, attention, spec.tree_mask), pool)
+        rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
+        logits = target.logits(hidden[rows])  # [W, V]
+        choice = sample(logits, batch.temperature[seq], batch.top_k[seq], batch.top_p[seq], batch.min_p[seq],
+                        batch.seeds[seq], batch.positions[rows] + 1)
+        nodes = batch.token_ids[spec.verify_indices]  # [S, K+1], the root then the nodes
+        out, num_emitted, path = verify_tree_coupled(choice[slot], nodes, spec.parents, spec.num_draft + 1)
+        root = jnp.where((spec.num_draft > 0) & (batch.seq_lens > 0), batch.positions[batch.logits_indices], -1)
+        pool = KVPool(*(move_path_kv(x, batch.block_tables, root, path) for x in (pool.k, pool.v)))
+        # Emitted token j comes from node path[j - 1] (the root for j = 0): log-probabilities on the compact
+        # rows, each row scoring the token emitted from its node, then gathered per emitted slot.
+        rows_ = jnp.arange(S)[:, None]
+        source = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), path[:, :K]], axis=1)  # [S, K+1]
+        live = jnp.arange(K + 1)[None, :] < num_emitted[:, None]
+        emitted = jnp.maximum(out, 0)
+        at_node = jnp.zeros((S, K + 1), jnp.int32).at[rows_, jnp.where(live, source, K + 1)].set(emitted, mode="drop")
+        sampled = token_logprobs(logits, at_node.reshape(-1)[flat], batch.want_logprobs[seq])
+        by_slot = slot[rows_, jnp.maximum(source, 0)].reshape(-1)
+        sampled = jax.tree.map(lambda x: x[by_slot], sampled).replace(tokens=emitted.reshape(-1))
+        return sampled, num_emitted, pool
 
     return step

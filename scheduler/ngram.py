@@ -2,12 +2,32 @@
 
 Source: Saxena 2023, *Prompt Lookup Decoding*; vLLM's n-gram speculator
 (`prompt_lookup_max` / `prompt_lookup_min`). The engine's `NgramProposer`
-(`engine/proposers.py`) calls `lookup` for each decoding request.
+(`engine/proposers.py`) calls `lookup` (a chain) or `lookup_tree` (the
+continuations of several matches, merged into a token tree) for each
+decoding request.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def _matches(context: np.ndarray, k: int, max_n: int, min_n: int) -> tuple[np.ndarray, int]:
+    """Earlier occurrences of the longest matching suffix n-gram: their last indices, ordered by the tokens
+    after them (at most `k` count) then latest first; and n. (empty, 0) when nothing matches."""
+    L = len(context)
+    if L < 2:
+        return np.zeros(0, np.int64), 0
+    # Candidate match ends: earlier positions holding the last token; longer n-grams only check those.
+    ends = np.flatnonzero(context[:L - 1] == context[L - 1])
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        e = ends[ends >= n - 1]
+        for d in range(1, n):
+            e = e[context[e - d] == context[L - 1 - d]]
+        if e.size:
+            follow = np.minimum(k, L - 1 - e)
+            return e[np.lexsort((-e, -follow))], n
+    return np.zeros(0, np.int64), 0
 
 
 def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
@@ -22,17 +42,40 @@ def lookup(context: np.ndarray, k: int, max_n: int, min_n: int) -> tuple[list[in
       latest match among those with the most tokens after them (at most `k`
       tokens), and that n; ([], 0) when nothing matches.
     """
-    L = len(context)
-    if L < 2:
+    ends, n = _matches(context, k, max_n, min_n)
+    if not n:
         return [], 0
-    # Candidate match ends: earlier positions holding the last token; longer n-grams only check those.
-    ends = np.flatnonzero(context[:L - 1] == context[L - 1])
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        e = ends[ends >= n - 1]
-        for d in range(1, n):
-            e = e[context[e - d] == context[L - 1 - d]]
-        if e.size:
-            follow = np.minimum(k, L - 1 - e)
-            start = e[np.flatnonzero(follow == follow.max())[-1]] + 1
-            return context[start:start + k].tolist(), n
-    return [], 0
+    return context[ends[0] + 1:ends[0] + 1 + k].tolist(), n
+
+
+def lookup_tree(context: np.ndarray, max_nodes: int, depth: int, max_n: int,
+                min_n: int) -> tuple[list[int], list[int], int]:
+    """The continuations of every earlier occurrence of the last n tokens, merged into a token tree.
+
+    Matches are taken in `lookup`'s order of preference (the first path is
+    `lookup`'s chain), each continuation (at most `depth` tokens) inserted into
+    a trie under the root (the context's last token) until `max_nodes` nodes.
+    Shared prefixes share nodes, so the tree branches where earlier
+    occurrences went different ways.
+
+    Returns:
+      (tokens, parents, n): node i + 1 holds `tokens[i]` under node
+      `parents[i]` (0 is the root; a parent precedes its children), and the
+      matched n; ([], [], 0) when nothing matches.
+    """
+    ends, n = _matches(context, depth, max_n, min_n)
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (node, token) -> child node
+    for e in ends:
+        node = 0
+        for t in context[e + 1:e + 1 + depth].tolist():
+            child = children.get((node, t))
+            if child is None:
+                if len(tokens) == max_nodes:
+                    return tokens, parents, n
+                tokens.append(t)
+                parents.append(node)
+                child = children[(node, t)] = len(tokens)
+            node = child
+    return tokens, parents, n

@@ -55,7 +55,9 @@ class SpecArrays:
 
     A row with `num_draft = k` packs its last accepted token followed by `k`
     placeholder tokens: a device proposer writes its draft tokens into them; a
-    host proposer's tokens are packed there and in `draft_tokens`.
+    host proposer's tokens are packed there and in `draft_tokens`. A token
+    tree's nodes (`engine.tree_verify`) take the placeholders in node order,
+    with RoPE positions root + depth and their ancestors' attention masks.
     """
 
     num_draft: np.ndarray  # int32 [S]
@@ -63,11 +65,13 @@ class SpecArrays:
     verify_indices: np.ndarray  # int32 [S, K+1]; packed index of the last real token, then the placeholders
     draft_slots: np.ndarray  # int32 [K, S]; slot of placeholder j (draft pass j writes there), 0 where none
     draft_tokens: np.ndarray  # int32 [S, K]; a host proposer's draft tokens, 0 where none
+    parents: np.ndarray  # int32 [S, K+1]; each window node's parent (-1: the root, or none); a chain: i - 1
+    tree_mask: np.ndarray  # int32 [T]; with trees, each token's pallas_kernels.reference.tree_visible mask, else -1
 
 
 def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets: tuple[int, ...],
          seq_buckets: tuple[int, ...], seeds: dict[str, int], spec_k: int | None = None,
-         proposals: dict[str, list[int]] | None = None) -> PackedBatch:
+         proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None) -> PackedBatch:
     """Packs `plan` into the smallest (token, sequence) bucket that holds it.
 
     `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
@@ -75,7 +79,10 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     per row; None for a plain step (no row may have draft tokens).
     `proposals`: a host proposer's draft tokens per drafting request (exactly
     `num_draft` each); None leaves the placeholders to a device proposer.
-    Raises ValueError for draft tokens without `spec_k` or a proposal of the wrong length.
+    `parents`: for proposals that are token trees, each node's parent (0 is
+    the row's last accepted token, nodes are 1..num_draft); absent: a chain.
+    Raises ValueError for draft tokens without `spec_k`, a proposal of the wrong length or a tree that is
+    not one (a parent not before its child) or whose window passes the 32 tokens a tree mask covers.
     """
     n_seqs = len(plan.seqs)
     T = bucket_for(max(plan.num_tokens, 1), token_buckets)
@@ -99,6 +106,8 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     verify_indices = np.zeros((S, K + 1), np.int32)
     draft_slots = np.zeros((K, S), np.int32)
     draft_tokens = np.zeros((S, K), np.int32)
+    tree_parents = np.full((S, K + 1), -1, np.int32)
+    tree_mask = np.full(T, -1, np.int32)
     t = 0
     for i, s in enumerate(plan.seqs):
         r = s.request
@@ -111,6 +120,8 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         slots = blocks[pos // block_size] * block_size + pos % block_size
         slot_mapping[t:t + s.num_new_tokens] = slots
         last = t + real_end - s.start - 1
+        if parents is not None:
+            tree_mask[t:t + s.num_new_tokens] = _causal_masks(s.num_new_tokens)
         t += s.num_new_tokens
         query_start_loc[i + 1] = t
         seq_lens[i] = end
@@ -127,6 +138,16 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
                     raise ValueError(f"{r.request_id}: {len(proposed)} proposed tokens for {k} draft slots")
                 draft_tokens[i, :k] = proposed
                 token_ids[last + 1:last + 1 + k] = proposed
+            tree = (parents or {}).get(r.request_id)
+            tree_parents[i, :k + 1] = [-1, *(range(k) if tree is None else tree)]
+            if tree is not None:
+                depth = _tree_depths(tree_parents[i, :k + 1], r.request_id)
+                positions[last + 1:last + 1 + k] = positions[last] + depth[1:]
+                base = last - query_start_loc[i]  # the root's index among the row's step tokens
+                if base + k + 1 > TREE_WINDOW:
+                    raise ValueError(f"{r.request_id}: a tree window of {k + 1} tokens after {base} more")
+                tree_mask[last:last + k + 1] = (_ancestor_masks(tree_parents[i, :k + 1]).astype(np.int64) << base
+                                                | (1 << base) - 1).astype(np.uint32).view(np.int32)
         verify_indices[i] = last
         verify_indices[i, 1:s.num_draft + 1] = np.arange(last + 1, last + 1 + s.num_draft)
         sp = r.sampling
@@ -136,8 +157,35 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     query_start_loc[n_seqs + 1:] = t
     spec = None
     if spec_k is not None:
-        spec = SpecArrays(num_draft, draft_token_index, verify_indices, draft_slots, draft_tokens)
+        spec = SpecArrays(num_draft, draft_token_index, verify_indices, draft_slots, draft_tokens, tree_parents,
+                          tree_mask)
     elif any(s.num_draft for s in plan.seqs):
         raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
                        logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs, spec)
+
+
+TREE_WINDOW = 32  # step tokens a tree mask covers (pallas_kernels.reference.TREE_WINDOW; no jax here)
+
+
+def _causal_masks(n: int) -> np.ndarray:
+    """int32 `[n]`: step token j sees step tokens 0..j (all bits from the 32nd on)."""
+    j = np.arange(n, dtype=np.int64)
+    return np.where(j >= TREE_WINDOW - 1, -1, (1 << np.minimum(j + 1, TREE_WINDOW - 1)) - 1).astype(np.int32)
+
+
+def _tree_depths(parents: np.ndarray, request_id: str) -> np.ndarray:
+    depth = np.zeros(len(parents), np.int32)
+    for i in range(1, len(parents)):
+        if not 0 <= parents[i] < i:
+            raise ValueError(f"{request_id}: tree node {i} has parent {parents[i]} (want 0..{i - 1})")
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def _ancestor_masks(parents: np.ndarray) -> np.ndarray:
+    """uint32 per node: its own bit and its ancestors' (parents checked by `_tree_depths`)."""
+    masks = np.zeros(len(parents), np.uint32)
+    for i, p in enumerate(parents):
+        masks[i] = (masks[p] if p >= 0 else 0) | (1 << i)
+    return masks

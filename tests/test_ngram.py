@@ -9,11 +9,14 @@ from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
 from engine.adaptive import SpeculationConfig
-from scheduler.ngram import lookup
+from scheduler.ngram import lookup, lookup_tree
+from scheduler.packing import _ancestor_masks
 from scheduler.request import SamplingParams
 from tests.test_speculative import _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
 
 NGRAM = SpeculationConfig(3, min_acceptance=0.0, method="ngram")
+NGRAM_TREE = dataclasses.replace(NGRAM, tree_nodes=8)
+BRANCHING = [3, 4, 5, 3, 4, 6, 3, 4, 7, 3, 4, 5, 9, 3, 4]  # after [3, 4]: 5, 6 or 7
 
 
 @pytest.mark.parametrize("context,k,want", [
@@ -46,6 +49,42 @@ def _lookup_by_hand(context, k, max_n, min_n):
 def test_lookup_equals_a_direct_search(context, k, sizes):
     max_n, min_n = sizes[0], max(1, sizes[0] - sizes[1])
     assert lookup(np.asarray(context, np.int32), k, max_n, min_n) == _lookup_by_hand(context, k, max_n, min_n)
+
+
+@pytest.mark.parametrize("context,nodes,depth,want", [
+    # [5, 6] ends at 1 and 4, both with 3 tokens after them: the latest first, then the other, sharing nothing
+    ([5, 6, 7, 5, 6, 8, 5, 6], 8, 3, ([8, 5, 6, 7, 5, 6], [0, 1, 2, 0, 4, 5])),
+    ([5, 6, 7, 5, 6, 8, 5, 6], 4, 3, ([8, 5, 6, 7], [0, 1, 2, 0])),  # the node budget cuts the second path
+    # [3, 4] ends at 1, 4, 7 and 10: shared first tokens share nodes ([5, 3] twice)
+    (BRANCHING, 8, 2, ([5, 9, 7, 3, 6, 3, 3], [0, 1, 0, 3, 0, 5, 1])),
+    ([1, 2, 3], 8, 2, ([], [])),
+])
+def test_lookup_tree(context, nodes, depth, want):
+    assert lookup_tree(np.asarray(context, np.int32), nodes, depth, max_n=3, min_n=1)[:2] == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(context=st.lists(st.integers(0, 3), min_size=1, max_size=40), depth=st.integers(1, 5),
+       nodes=st.integers(1, 12), max_n=st.integers(1, 4))
+def test_lookup_tree_is_a_trie_of_continuations_led_by_the_chain(context, depth, nodes, max_n):
+    """Parents come first, siblings differ, every root-to-node path follows an occurrence of the matched n-gram,
+    and the first path is `lookup`'s chain."""
+    ctx = np.asarray(context, np.int32)
+    tokens, parents, n = lookup_tree(ctx, nodes, depth, max_n, 1)
+    chain, n_chain = lookup(ctx, depth, max_n, 1)
+    assert n == n_chain and len(tokens) == len(parents) <= nodes
+    m = min(len(chain), nodes)
+    assert tokens[:m] == chain[:m] and parents[:m] == list(range(m))
+    assert all(0 <= p <= i for i, p in enumerate(parents))
+    assert len({(p, t) for p, t in zip(parents, tokens)}) == len(tokens)
+    L = len(context)
+    ends = [i + n - 1 for i in range(L - n) if context[i:i + n] == context[L - n:]] if n else []
+    for i in range(len(tokens)):
+        path, j = [], i + 1
+        while j:
+            path.insert(0, tokens[j - 1])
+            j = parents[j - 1]
+        assert len(path) <= depth and any(context[e + 1:e + 1 + len(path)] == path for e in ends)
 
 
 def test_lookup_respects_min_n():
@@ -98,9 +137,9 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
     assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
 
 
-@pytest.fixture(scope="module")
-def ngram(target):
-    return Engine(target, CFG, speculation=NGRAM)
+@pytest.fixture(scope="module", params=[NGRAM, NGRAM_TREE], ids=["chain", "tree"])
+def ngram(target, request):
+    return Engine(target, CFG, speculation=request.param)
 
 
 def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, ngram):
@@ -173,13 +212,13 @@ def test_host_proposals_are_packed_into_the_verify_window(target):
 
     refused = []
 
-    def recording_pack(plan, seeds, spec_k=None, proposals=None):
+    def recording_pack(plan, seeds, spec_k=None, proposals=None, parents=None):
         if proposals and not refused:
             rid = next(iter(proposals))
             with pytest.raises(ValueError, match="proposed tokens for") as e:
                 pack(plan, seeds, spec_k, {**proposals, rid: proposals[rid] + [1]})
             refused.append(e)
-        packed = pack(plan, seeds, spec_k, proposals)
+        packed = pack(plan, seeds, spec_k, proposals, parents)
         calls.append((plan, seeds, spec_k, proposals, packed))
         return packed
 
@@ -195,3 +234,68 @@ def test_host_proposals_are_packed_into_the_verify_window(target):
             last = packed.logits_indices[i]
             assert packed.token_ids[last + 1:last + 1 + s.num_draft].tolist() == want
     assert refused
+
+
+def test_token_trees_greedy_equal_target_alone_and_pack_as_trees(target):
+    """Token trees of up to 8 nodes from several matches: greedy output equals the target alone (chunked
+    prefill, then again on prefix-cache hits); the packed windows hold branching trees, their nodes at RoPE
+    positions root + depth with their ancestors' masks, and every block comes back; a node whose parent does
+    not come before it is refused."""
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)] * (len(PROMPTS) + 1)
+    prompts = PROMPTS + [BRANCHING]
+    plain = _run(Engine(target, CFG), prompts, greedy)
+    want = [o.token_ids for o in plain]
+    engine = Engine(target, CFG, speculation=NGRAM_TREE)
+    packed_trees = []
+    pack = engine.runner.pack
+
+    def recording_pack(plan, seeds, spec_k=None, proposals=None, parents=None):
+        if parents and not packed_trees:  # a node whose parent is not before it is refused
+            rid = next(iter(parents))
+            with pytest.raises(ValueError, match="tree node 1 has parent 1"):
+                pack(plan, seeds, spec_k, proposals, {**parents, rid: [1] + parents[rid][1:]})
+        packed = pack(plan, seeds, spec_k, proposals, parents)
+        if parents:
+            packed_trees.append((plan, parents, packed))
+        return packed
+
+    engine.runner.pack = recording_pack
+    for _ in range(2):
+        outs = _run(engine, prompts, greedy)
+        assert [o.token_ids for o in outs] == want
+        for o, w in zip(outs, plain):  # each emitted token scored at its own node (an ancestors-only view)
+            for a, b in zip(o.logprobs, w.logprobs):
+                assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    branched = 0
+    for plan, parents, packed in packed_trees:
+        for i, s in enumerate(plan.seqs):
+            if not s.num_draft:
+                continue
+            tree = [-1, *parents[s.request.request_id]]
+            branched += len(set(tree[1:])) < len(tree) - 1
+            depth = [0]
+            for p in tree[1:]:
+                depth.append(depth[p] + 1)
+            last, base = packed.logits_indices[i], packed.logits_indices[i] - packed.query_start_loc[i]
+            window = slice(last, last + len(tree))
+            assert packed.positions[window].tolist() == [packed.positions[last] + d for d in depth]
+            masks = (_ancestor_masks(np.asarray(tree)).astype(np.int64) << base) | ((1 << base) - 1)
+            assert packed.spec.tree_mask[window].tolist() == masks.astype(np.uint32).view(np.int32).tolist()
+            assert packed.spec.parents[i, :len(tree)].tolist() == tree
+    assert branched > 0
+
+
+
+def test_tree_depth_is_what_the_gate_expects_acceptance_along():
+    """The cost gate prices a tree's window by its nodes but expects acceptance along one path: the depth of
+    the first k nodes (BRANCHING's tree: 5 -> 9, 7 -> 3, 6 -> 3, 5 -> 3)."""
+    from engine.proposers import NgramProposer
+    from scheduler.request import Request
+    proposer = NgramProposer(dataclasses.replace(NGRAM_TREE, num_speculative_tokens=2))
+    r = Request(BRANCHING, SamplingParams(temperature=0))
+    assert proposer.wanted(r, 0) == 7
+    assert [proposer.depth(r, k) for k in range(8)] == [0, 1, 2, 2, 2, 2, 2, 2]
+    chain = NgramProposer(NGRAM)
+    assert chain.wanted(r, 0) == 3 and chain.depth(r, 3) == 3

@@ -89,16 +89,18 @@ def test_cpu_kernel_greedy_equals_xla_dot(llm, max_num_seqs):
     assert [o.token_ids for o in kernel.generate(prompts, sp)] == want
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 8])
-def test_ngram_speculation_greedy_equals_plain(llm, max_num_seqs):
-    """Prompt-lookup speculation keeps greedy output on 20 real prompts, one at a time and 8 at a time, chunked
-    prefill and the prefix cache on; on these prompts it accepts some of its proposals. The cost gate is off
-    here (it measures this machine's step times and may rightly decline to draft)."""
+@pytest.mark.parametrize("max_num_seqs,tree_nodes", [(1, 0), (8, 0), (8, 12)])
+def test_ngram_speculation_greedy_equals_plain(llm, max_num_seqs, tree_nodes):
+    """Prompt-lookup speculation keeps greedy output on 20 real prompts, one at a time and 8 at a time, chains
+    and token trees of up to 12 nodes, chunked prefill and the prefix cache on; on these prompts it accepts some
+    of its proposals. The cost gate is off here (it measures this machine's step times and may rightly decline
+    to draft)."""
     prompts = _chat_prompts(20)
     sp = SamplingParams(temperature=0, max_tokens=16)
     limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 256}
     plain = LLM(speculative=None, **limits)
-    ngram = llm if max_num_seqs == 8 else LLM(speculative="ngram", **limits)
+    ngram = llm if (max_num_seqs, tree_nodes) == (8, 0) else LLM(speculative="ngram", num_tree_nodes=tree_nodes,
+                                                                 **limits)
     assert ngram.engine.proposer.kind == "ngram"  # the default (speculative="auto") for SmolLM2
     config = ngram.engine.proposer.config
     want = [o.token_ids for o in plain.generate(prompts, sp)]

@@ -204,9 +204,7 @@ def test_two_processes_with_two_devices_each_match_one_process():
             out["mismatch"] = str(e)
         print(json.dumps(out), flush=True)
     """)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -250,15 +248,20 @@ def test_llama_3_70b_step_over_8_devices_lowers_for_cuda_and_holds_the_planned_b
     assert f"tensor<{cfg.num_layers}x{num_blocks}x16x1x{D}xbf16>" in text  # one device's share of the pool
 
 
-def _two_processes(args: list[str], own: tuple[list[str], list[str]] = ([], []), **popen) -> list[subprocess.Popen]:
-    """`python -m <args> <own[i]>` as process i of two (loopback coordinator), 2 CPU devices each."""
+def _free_port() -> int:
+    """A loopback port nothing listens on (for a coordinator)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _two_processes(args: list[str], own: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+    """`python -m <args> <own[i]>` as process i of two (loopback coordinator), 2 CPU devices each."""
+    port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return [subprocess.Popen([sys.executable, "-m", *args, *own[i], "--tensor_parallel_size=4", "--num_processes=2",
                               f"--process_id={i}", f"--coordinator_address=127.0.0.1:{port}"],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import cpu_kernels as ck
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from pallas_kernels.reference import causal_tree_mask, ragged_paged_attention_reference, tree_visible
+from scheduler.packing import _ancestor_masks
 from tests.test_pallas_attention import TOL, make_batch
 
 
@@ -29,14 +30,6 @@ def random_tree(rng, depth, width):
     return parents
 
 
-def ancestor_masks(parents):
-    """int32 mask per node: bits of its ancestors and itself."""
-    masks = []
-    for i, p in enumerate(parents):
-        masks.append((masks[p] if p >= 0 else 0) | (1 << i))
-    return np.array(masks, np.uint32).view(np.int32)
-
-
 def tree_batch(seed, rows, *, heads=6, kv_heads=2, head_dim=16, block_size=8, dtype=jnp.float32, pad_tokens=1):
     """A ragged batch and its tree masks. rows: per sequence ("tree", context, parents) or
     ("causal", context, query length); causal rows get `causal_tree_mask`."""
@@ -44,8 +37,8 @@ def tree_batch(seed, rows, *, heads=6, kv_heads=2, head_dim=16, block_size=8, dt
     kv_lens = [r[1] + n for r, n in zip(rows, q_lens)]
     args = make_batch(seed, q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       block_size=block_size, pad_tokens=pad_tokens, dtype=dtype)
-    masks = [ancestor_masks(r[2]) if r[0] == "tree" else np.asarray(causal_tree_mask(np.arange(n)))
-             for r, n in zip(rows, q_lens)]
+    masks = [_ancestor_masks(np.asarray(r[2])).view(np.int32) if r[0] == "tree"
+             else np.asarray(causal_tree_mask(np.arange(n))) for r, n in zip(rows, q_lens)]
     masks.append(np.zeros(pad_tokens, np.int32))
     return args, jnp.asarray(np.concatenate(masks).astype(np.int32))
 
@@ -123,7 +116,8 @@ def test_chain_tree_is_causal_attention():
     """A chain (one child per node) gives the causal masks, and every kernel's output with them is its causal
     output, bit for bit."""
     chain = list(range(-1, 7))
-    np.testing.assert_array_equal(ancestor_masks(chain), np.asarray(causal_tree_mask(np.arange(8))))
+    np.testing.assert_array_equal(_ancestor_masks(np.asarray(chain)).view(np.int32),
+                                  np.asarray(causal_tree_mask(np.arange(8))))
     assert int(causal_tree_mask(31)) == -1 and int(causal_tree_mask(40)) == -1
     rows = [("tree", 37, chain), ("causal", 3, 40), ("causal", 20, 1)]
     args, tree = tree_batch(2, rows)
