@@ -58,6 +58,11 @@ def lookup_tree(context: np.ndarray, max_nodes: int, depth: int, max_n: int,
     Shared prefixes share nodes, so the tree branches where earlier
     occurrences went different ways.
 
+    Args:
+      context: int `[L]`, prompt + output so far.
+      max_nodes: most nodes below the root (>= 1).
+      depth: most tokens along any path (>= 1).
+      max_n, min_n: n-gram sizes, as `lookup`.
     Returns:
       (tokens, parents, n): node i + 1 holds `tokens[i]` under node
       `parents[i]` (0 is the root; a parent precedes its children), and the
