@@ -46,7 +46,7 @@ class LLM:
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
-        asked for where none is known.
+        asked for where none is known, tree nodes without speculation.
     """
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
@@ -73,6 +73,8 @@ class LLM:
             draft = draft_model if isinstance(draft_model, LoadedModel) else load_draft(draft_model, loaded)
             if given:
                 speculative = "eagle" if FC in draft.params else "draft"
+        if speculative is None and num_tree_nodes:
+            raise ValueError(f"num_tree_nodes={num_tree_nodes} needs speculation, but speculative resolved to None")
         speculation = None
         if speculative is not None:
             speculation = SpeculationConfig(num_speculative_tokens, method=speculative, tree_nodes=num_tree_nodes)

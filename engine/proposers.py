@@ -39,6 +39,7 @@ from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
 from engine.step import KVPool, build_model, kv_bytes_per_block
 from model.eagle import FC
 from scheduler.ngram import lookup, lookup_tree
+from scheduler.packing import tree_depths
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
 
@@ -401,10 +402,7 @@ class NgramProposer(Proposer):
         parents = self._parents.get(request.request_id) if self.config.tree_nodes else None
         if not parents:
             return k
-        depth = [0]
-        for p in parents[:k]:
-            depth.append(depth[p] + 1)
-        return max(depth)
+        return int(tree_depths(np.array([-1, *parents[:k]]), request.request_id).max())
 
     def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
         if not self.config.tree_nodes:

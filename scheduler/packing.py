@@ -141,7 +141,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
             tree = (parents or {}).get(r.request_id)
             tree_parents[i, :k + 1] = [-1, *(range(k) if tree is None else tree)]
             if tree is not None:
-                depth = _tree_depths(tree_parents[i, :k + 1], r.request_id)
+                depth = tree_depths(tree_parents[i, :k + 1], r.request_id)
                 positions[last + 1:last + 1 + k] = positions[last] + depth[1:]
                 base = last - query_start_loc[i]  # the root's index among the row's step tokens
                 if base + k + 1 > TREE_WINDOW:
@@ -174,7 +174,12 @@ def _causal_masks(n: int) -> np.ndarray:
     return np.where(j >= TREE_WINDOW - 1, -1, (1 << np.minimum(j + 1, TREE_WINDOW - 1)) - 1).astype(np.int32)
 
 
-def _tree_depths(parents: np.ndarray, request_id: str) -> np.ndarray:
+def tree_depths(parents: np.ndarray, request_id: str) -> np.ndarray:
+    """int32 `[n]`: each window node's depth, from its parent (`parents[0]` is the root's, ignored).
+
+    Raises:
+      ValueError: a parent not before its child.
+    """
     depth = np.zeros(len(parents), np.int32)
     for i in range(1, len(parents)):
         if not 0 <= parents[i] < i:
@@ -184,7 +189,7 @@ def _tree_depths(parents: np.ndarray, request_id: str) -> np.ndarray:
 
 
 def _ancestor_masks(parents: np.ndarray) -> np.ndarray:
-    """uint32 per node: its own bit and its ancestors' (parents checked by `_tree_depths`)."""
+    """uint32 per node: its own bit and its ancestors' (parents checked by `tree_depths`)."""
     masks = np.zeros(len(parents), np.uint32)
     for i, p in enumerate(parents):
         masks[i] = (masks[p] if p >= 0 else 0) | (1 << i)
