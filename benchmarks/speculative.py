@@ -58,9 +58,9 @@ flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
-flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree: "
-                  "n-gram token trees of --tree_nodes nodes, K deep).")
-flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree proposal.")
+flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree / "
+                  "medusa-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each head's top token).")
+flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree / medusa-tree proposal.")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's / head's weights in the CPU kernel (default: their dtype).")
@@ -158,7 +158,7 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
 def main(argv):
     del argv
     from checkpoints import load_model
-    from checkpoints.draft import DEFAULT_DRAFT, DEFAULT_EAGLE, early_exit_draft, load_draft
+    from checkpoints.draft import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MEDUSA, early_exit_draft, load_draft
     from engine import LLM
 
     target = load_model()
@@ -168,7 +168,8 @@ def main(argv):
     elif "draft" in FLAGS.proposers:
         draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
     heads = {"draft": draft, "eagle": load_draft(FLAGS.eagle_head or DEFAULT_EAGLE, target)
-             if "eagle" in FLAGS.proposers else None}
+             if "eagle" in FLAGS.proposers else None,
+             "medusa": load_draft(DEFAULT_MEDUSA, target) if any("medusa" in p for p in FLAGS.proposers) else None}
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
     mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
@@ -187,8 +188,9 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
-        if name == "ngram-tree":
-            return LLM(target, speculative="ngram", num_tree_nodes=FLAGS.tree_nodes, **kw)
+        if name in ("ngram-tree", "medusa-tree"):
+            kind = name.split("-")[0]
+            return LLM(target, speculative=kind, draft_model=heads.get(kind), num_tree_nodes=FLAGS.tree_nodes, **kw)
         return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                    **kw)
 

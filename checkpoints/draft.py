@@ -23,6 +23,11 @@ An EAGLE head (`model.eagle.EagleHead`) is stored the same way: a 1-layer
 draft with the target's width (so the target's embedding), its partial head,
 and the fusion layer as one more tensor, `eagle_fc`; its config's `draft.kind`
 is "eagle", and loading it gives `params[model.eagle.FC]`.
+
+Medusa heads (`model.medusa.MedusaHeads`) have no decoder layer: their
+directory holds `medusa_w`, `medusa_b`, `medusa_accuracy` and `head_ids`
+(`save_medusa`) and a config.json whose `draft.kind` is "medusa"; loading gives
+those tensors plus the target's output head (`model.medusa.READOUT`), with the target's config.
 """
 
 from __future__ import annotations
@@ -37,14 +42,17 @@ from checkpoints._layout import cast, gather, np_dtype, scatter
 from checkpoints.hf import HF_NAMES, hf_config_dict, load_hf_dir, open_safetensors
 from checkpoints.resolve import DEFAULT_MODEL, LoadedModel
 from model.config import ModelConfig
+from model import medusa
 from model.eagle import FC
 
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafts")
 DEFAULT_DRAFT = "smollm2-135m-draft"
 DEFAULT_EAGLE = "smollm2-135m-eagle"
+DEFAULT_MEDUSA = "smollm2-135m-medusa"
 # The draft and the EAGLE head each bundled target uses when none is named.
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
+DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
 # The proposer `speculative="auto"` turns on for a model, once `benchmarks/speculative.py` shows it pays there.
 # SmolLM2: n-gram lookup with the cost gate (1.2-1.8x on summaries and long documents, never below 0.97x
 # elsewhere; benchmarks/RESULTS.md). Its bundled EAGLE head runs at 0.83-0.88x on chat on the CPU.
@@ -126,6 +134,24 @@ def save_draft(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.n
         json.dump(hf, f, indent=2)
 
 
+def save_medusa(path: str | os.PathLike, params: dict[str, np.ndarray], target_name: str,
+                storage_dtype: str = "bfloat16", extra: dict | None = None) -> None:
+    """Writes Medusa heads: `params` holds `model.medusa.W` `[K, E, E]`, `B` `[K, E]` (stored in
+    `storage_dtype`), `ACCURACY` `[K, n]` (float32) and `HEAD_IDS` (int32); `extra` goes into config.json's
+    `draft` record (e.g. the training command)."""
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    w, b = np.asarray(params[medusa.W]), np.asarray(params[medusa.B])
+    tensors = {**cast({medusa.W: w, medusa.B: b}, storage_dtype),
+               medusa.ACCURACY: np.asarray(params[medusa.ACCURACY], np.float32),
+               medusa.HEAD_IDS: np.asarray(params[medusa.HEAD_IDS], np.int32)}
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    record = {"kind": "medusa", "target": target_name, "target_hidden_size": int(w.shape[1]),
+              "num_heads": int(w.shape[0]), "head_vocab_size": int(len(params[medusa.HEAD_IDS])), **(extra or {})}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"draft": record}, f, indent=2)
+
+
 def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
     """Loads a draft for `target`: a name from `draft_names()` or a directory.
 
@@ -144,6 +170,14 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
         hf = json.load(f)
     dtype = target.config.dtype
     tcfg = target.config
+    if hf.get("draft", {}).get("kind") == "medusa":
+        if hf["draft"]["target_hidden_size"] != tcfg.hidden_size:
+            raise ValueError(f"Medusa heads {path} are {hf['draft']['target_hidden_size']} wide; the target is "
+                             f"{tcfg.hidden_size}")
+        tensors = open_safetensors(os.path.join(path, "model.safetensors"))
+        params = {n: np.asarray(tensors[n]) for n in (medusa.W, medusa.B, medusa.ACCURACY, medusa.HEAD_IDS)}
+        params[medusa.READOUT] = medusa.target_readout(tcfg, target.params)
+        return LoadedModel(tcfg.replace(name=os.path.basename(os.path.normpath(path))), params, target.tokenizer)
     if "draft" not in hf:
         cfg, params = load_hf_dir(path, dtype)
     else:

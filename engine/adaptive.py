@@ -34,12 +34,13 @@ class SpeculationConfig:
       that arrive then.
     prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
       longest first.
-    method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head) or
-      "ngram" (prompt lookup).
+    method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head),
+      "medusa" (Medusa heads) or "ngram" (prompt lookup).
     tree_nodes: 0 for chains; else proposals are token trees of at most this
       many nodes below the root (<= 31: a tree mask is one int32 word), each
-      path at most `num_speculative_tokens` deep. "ngram" only: the
-      continuations of every earlier match, merged (`scheduler.ngram.lookup_tree`).
+      path at most `num_speculative_tokens` deep. "ngram": the continuations of
+      every earlier match, merged (`scheduler.ngram.lookup_tree`); "medusa": the
+      heads' static sparse tree (`model.medusa.medusa_tree`).
     """
 
     num_speculative_tokens: int = 4
@@ -52,14 +53,15 @@ class SpeculationConfig:
     tree_nodes: int = 0
 
     def __post_init__(self):
-        if self.method not in ("draft", "eagle", "ngram"):
-            raise ValueError(f"speculation method must be 'draft', 'eagle' or 'ngram', got {self.method!r}")
+        if self.method not in ("draft", "eagle", "medusa", "ngram"):
+            raise ValueError(f"speculation method must be 'draft', 'eagle', 'medusa' or 'ngram', got {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
-        if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method != "ngram"):
-            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: method 'ngram'), got {self.tree_nodes}")
+        if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method not in ("ngram", "medusa")):
+            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram' and 'medusa'), "
+                             f"got {self.tree_nodes}")
         if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
             raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
 

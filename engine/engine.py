@@ -20,7 +20,8 @@ import numpy as np
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
-from engine.proposers import DraftModelProposer, EagleProposer, NgramProposer, Proposer
+from engine.proposers import DraftModelProposer, EagleProposer, MedusaProposer, NgramProposer, Proposer
+from model import medusa
 from model.eagle import FC
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
@@ -67,13 +68,13 @@ class Engine:
     Args:
       model: a `checkpoints.LoadedModel` (config, params, tokenizer).
       config: engine limits.
-      draft: a `LoadedModel` of a draft model or an EAGLE head with the target's
-        vocabulary, for speculation methods "draft" and "eagle".
+      draft: a `LoadedModel` of a draft model, an EAGLE head or Medusa heads for
+        the target, for speculation methods "draft", "eagle" and "medusa".
       speculation: the proposer, K and the adaptive-speculation settings (None:
-        "draft" or "eagle", whichever `draft` is, with a draft, else no speculation).
+        the method `draft` is for, with a draft, else no speculation).
     Raises:
-      ValueError: bad limits, a draft whose vocabulary differs, or method "draft" / "eagle" without
-        a draft of that kind.
+      ValueError: bad limits, a draft whose vocabulary differs, or method "draft" / "eagle" / "medusa"
+        without a draft of that kind.
 
     `on_step`, if set, is called with each step's `StepTiming` (the program it
     ran and its time per phase); `stats` keeps the totals.
@@ -393,12 +394,19 @@ def _proposer(draft, speculation: SpeculationConfig | None, target_config, confi
     if speculation is None:
         if draft is None:
             return None
-        speculation = SpeculationConfig(method="eagle" if FC in draft.params else "draft")
+        speculation = SpeculationConfig(method=draft_kind(draft))
     if speculation.method == "ngram":
         return NgramProposer(speculation)
-    if draft is None or (FC in draft.params) != (speculation.method == "eagle"):
-        kind = "an EAGLE head" if speculation.method == "eagle" else "a draft model"
+    if draft is None or draft_kind(draft) != speculation.method:
+        kind = {"eagle": "an EAGLE head", "medusa": "Medusa heads"}.get(speculation.method, "a draft model")
         raise ValueError(f"speculation method {speculation.method!r} needs {kind}")
     if speculation.method == "eagle":
         return EagleProposer(draft, speculation, target_config, config)
+    if speculation.method == "medusa":
+        return MedusaProposer(draft, speculation, target_config)
     return DraftModelProposer(draft, speculation, target_config.vocab_size, config)
+
+
+def draft_kind(draft) -> str:
+    """"eagle", "medusa" or "draft": the speculation method a loaded draft (`LoadedModel`) is for."""
+    return "eagle" if FC in draft.params else "medusa" if medusa.W in draft.params else "draft"

@@ -21,15 +21,16 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
                   "Products over few tokens: auto = the native CPU kernel on CPU (XLA's dot if it cannot "
                   "load), xla = always XLA's dot.")
 # Speculative decoding.
-flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "draft", "ngram", "off"],
-                  "Speculative decoding: eagle = an EAGLE head on the target's features proposes, draft = a "
-                  "draft model proposes, ngram = prompt lookup; auto = the proposer shown to pay on the model "
+flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "ngram", "off"],
+                  "Speculative decoding: eagle = an EAGLE head on the target's features proposes, medusa = "
+                  "Medusa heads fill a token tree, draft = a draft model proposes, ngram = prompt lookup; auto = the proposer shown to pay on the model "
                   "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
-flags.DEFINE_string("draft_model", None, "Draft model or EAGLE head (bundled name or path); default: the "
+flags.DEFINE_string("draft_model", None, "Draft model, EAGLE head or Medusa heads (bundled name or path); default: the "
                     "model's own.")
 flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
 flags.DEFINE_integer("num_tree_nodes", 0, "0: chains of draft tokens; else token trees of at most this many "
-                     "nodes (1..31), each path at most K deep (ngram: every earlier match's continuation).")
+                     "nodes (1..31), each path at most K deep (ngram: every earlier match's continuation; medusa: the "
+                     "heads' static sparse tree).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "
                   "--dtype). Default: the model's dtype.")

@@ -12,10 +12,9 @@ import numpy as np
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig
-from engine.engine import Engine
+from engine.engine import Engine, draft_kind
 from engine.inputs import Prompt, encode_prompt
 from engine.outputs import RequestOutput
-from model.eagle import FC
 from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
 
@@ -30,19 +29,21 @@ class LLM:
         compiled programs).
       dtype: "float32" or "bfloat16"; None keeps the checkpoint's default.
       speculative: "eagle" (an EAGLE head on the target's features proposes
-        tokens), "draft" (a draft model proposes), "ngram" (prompt lookup:
+        tokens), "medusa" (Medusa heads on the target's last hidden state fill a
+        token tree), "draft" (a draft model proposes), "ngram" (prompt lookup:
         tokens that followed the latest earlier occurrence of the last few
         tokens), None (off), or "auto": the proposer
         `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the one the
         benchmark showed to pay: "ngram" for SmolLM2), or with `draft_model`
         its kind, else off.
-      draft_model: the draft or EAGLE head (bundled name, path, or
+      draft_model: the draft, EAGLE head or Medusa heads (bundled name, path, or
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
         (adaptive speculation lowers it per request class where acceptance is low).
       num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
         this many nodes (1..31), each path at most K deep ("ngram": the
-        continuations of every earlier match, verified in one tree window).
+        continuations of every earlier match, verified in one tree window;
+        "medusa": the heads' static sparse tree).
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -52,13 +53,15 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int = 4, num_tree_nodes: int = 0, **engine_args):
-        from checkpoints.draft import AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, draft_names, load_draft
+        from checkpoints.draft import (AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, DEFAULT_MEDUSA_HEADS,
+                                       draft_names, load_draft)
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
-        if speculative not in ("auto", "eagle", "draft", "ngram", None):
-            raise ValueError(f"speculative must be 'auto', 'eagle', 'draft', 'ngram' or None, got {speculative!r}")
-        defaults = {"eagle": DEFAULT_EAGLE_HEADS, "draft": DEFAULT_DRAFTS}
+        if speculative not in ("auto", "eagle", "medusa", "draft", "ngram", None):
+            raise ValueError(f"speculative must be 'auto', 'eagle', 'medusa', 'draft', 'ngram' or None, "
+                             f"got {speculative!r}")
+        defaults = {"eagle": DEFAULT_EAGLE_HEADS, "medusa": DEFAULT_MEDUSA_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
         if speculative == "auto" and not given:
             kind = AUTO_SPECULATION.get(model) if isinstance(model, str) else None
@@ -72,7 +75,7 @@ class LLM:
                 draft_model = defaults[speculative][model]
             draft = draft_model if isinstance(draft_model, LoadedModel) else load_draft(draft_model, loaded)
             if given:
-                speculative = "eagle" if FC in draft.params else "draft"
+                speculative = draft_kind(draft)
         if speculative is None and num_tree_nodes:
             raise ValueError(f"num_tree_nodes={num_tree_nodes} needs speculation, but speculative resolved to None")
         speculation = None

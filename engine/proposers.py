@@ -14,6 +14,9 @@ drawn from, so the output follows the target's distribution exactly:
 - `EagleProposer`: an EAGLE head on the target's features (Li et al. 2024),
   on the device (`engine.speculative.make_eagle_step`); its KV pool and the
   target's features per KV slot sit beside the target's pool.
+- `MedusaProposer`: Medusa heads on the target's last hidden state (Cai et
+  al. 2024) fill a static token tree inside the step program
+  (`engine.speculative.make_medusa_step`), verified by the coupled tree verify.
 - `NgramProposer`: prompt lookup on the host (no model); its `p` is one-hot,
   so a draft token is accepted with probability q(x)
   (`engine.speculative.make_verify_step`).
@@ -35,8 +38,11 @@ import numpy as np
 
 from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, attention_pairs,
                              expected_accepted)
-from engine.speculative import FeaturePool, make_eagle_step, make_spec_step
-from engine.step import KVPool, build_model, kv_bytes_per_block
+from flax import nnx
+
+from engine.speculative import FeaturePool, make_eagle_step, make_medusa_step, make_spec_step
+from engine.step import KVPool, Weights, build_model, kv_bytes_per_block
+from model import medusa
 from model.eagle import FC
 from scheduler.ngram import lookup, lookup_tree
 from scheduler.packing import tree_depths
@@ -338,6 +344,77 @@ class EagleProposer(DraftModelProposer):
     def step_program(self, target_graphdef, attention, K: int):
         """The jitted step for draft length `K` (`engine.speculative.make_eagle_step`)."""
         return make_eagle_step(target_graphdef, self.graphdef, attention, K)
+
+
+class MedusaProposer(DraftModelProposer):
+    """Medusa heads (`model.medusa.MedusaHeads`) guessing from the target's features, inside the step program.
+
+    Every drafting row verifies the same static tree (`model.medusa.medusa_tree`
+    from the heads' measured top-i accuracies: `tree_nodes` nodes, or without
+    trees the chain of each head's top token), its tokens filled on the device
+    from the heads' candidates (`engine.speculative.make_medusa_step`). The
+    target's hidden state at every KV slot is kept in a `FeaturePool`; a step
+    without the heads' program leaves it behind for its requests, which then
+    stop drafting (as with a draft model). The candidates are a deterministic
+    function of the target's state and the verify is the coupled tree verify,
+    so the output is the target's whatever is drafted (`output_independent`).
+
+    Args:
+      heads: a `checkpoints.LoadedModel` with `model.medusa.W` in its params (`checkpoints.draft.load_draft`).
+      config: the tree (`tree_nodes`), its depth cap (`num_speculative_tokens`) and the adaptive settings.
+      target_config: the target's `ModelConfig`.
+    Raises:
+      ValueError: not Medusa heads, heads of another width, or more tree nodes than the heads can fill.
+    """
+
+    kind = "medusa"
+    output_independent = True
+
+    def __init__(self, heads, config: SpeculationConfig, target_config):
+        if medusa.W not in heads.params:
+            raise ValueError(f"{heads.config.name} are not Medusa heads (no {medusa.W})")
+        Proposer.__init__(self, config)
+        module = medusa.MedusaHeads(target_config, heads.params)
+        self.model_config = target_config
+        graphdef, state = nnx.split(module)
+        self.graphdef, self.state = graphdef, Weights.of(state)
+        accuracy = np.asarray(heads.params[medusa.ACCURACY])[:config.num_speculative_tokens]
+        if config.tree_nodes:
+            self.parents, heads_of, ranks = medusa.medusa_tree(accuracy, config.tree_nodes)
+        else:  # the chain of each head's top token
+            n = len(accuracy)
+            self.parents, heads_of, ranks = list(range(n)), list(range(n)), [0] * n
+        self.tree = (tuple(heads_of), tuple(ranks))
+        self._depths = tree_depths(np.array([-1, *self.parents]), self.kind)
+        self._behind: set[str] = set()
+
+    def wanted(self, request: Request, step: int) -> int:
+        """The whole tree (0 once the request's features fell behind, or where the policy says no drafting)."""
+        if request.request_id in self._behind or not self.policy_k(request, step):
+            return 0
+        return len(self.parents)
+
+    @property
+    def program_ks(self) -> tuple[int, ...]:
+        """One program, the whole tree: unused window slots cost nothing (`_window_rows`)."""
+        return (len(self.parents),)
+
+    def depth(self, request: Request, k: int) -> int:
+        return int(self._depths[:k + 1].max())
+
+    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]]:
+        return {s.request.request_id: self.parents[:s.num_draft] for s in plan.seqs if s.num_draft}
+
+    def pools(self, num_blocks: int, block_size: int) -> tuple:
+        return (FeaturePool.zeros(self.model_config, num_blocks, block_size),)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return FeaturePool.bytes_per_block(self.model_config, block_size)
+
+    def step_program(self, target_graphdef, attention, K: int):
+        """The jitted step for a tree cut to its first `K` nodes (`engine.speculative.make_medusa_step`)."""
+        return make_medusa_step(target_graphdef, self.graphdef, attention, K,
+                                (self.tree[0][:K], self.tree[1][:K]))
 
 
 class NgramProposer(Proposer):

@@ -283,6 +283,36 @@ def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int)
     return step
 
 
+def _tree_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array, K: int,
+                 attention: Callable):
+    """The target over the packed batch with token trees in its verify windows, then the coupled tree verify
+    and the accepted paths' KV moves (see `make_tree_verify_step`). Returns `(sampled, num_emitted, pool,
+    hidden [T, E], move)`: `hidden` per packed token, and `move(x)`, which moves the accepted paths' slots
+    of any per-slot array laid out as the KV pool (`[L, P, B, H, D]`) as the KV was moved."""
+    S = spec.num_draft.shape[0]
+    hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention, spec.tree_mask), pool)
+    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
+    logits = target.logits(hidden[rows])  # [W, V]
+    choice = sample(logits, batch.temperature[seq], batch.top_k[seq], batch.top_p[seq], batch.min_p[seq],
+                    batch.seeds[seq], batch.positions[rows] + 1)
+    nodes = token_ids[spec.verify_indices]  # [S, K+1], the root then the nodes
+    out, num_emitted, path = verify_tree_coupled(choice[slot], nodes, spec.parents, spec.num_draft + 1)
+    root = jnp.where((spec.num_draft > 0) & (batch.seq_lens > 0), batch.positions[batch.logits_indices], -1)
+    move = lambda x: move_path_kv(x, batch.block_tables, root, path)
+    pool = KVPool(move(pool.k), move(pool.v))
+    # Emitted token j comes from node path[j - 1] (the root for j = 0): log-probabilities on the compact
+    # rows, each row scoring the token emitted from its node, then gathered per emitted slot.
+    rows_ = jnp.arange(S)[:, None]
+    source = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), path[:, :K]], axis=1)  # [S, K+1]
+    live = jnp.arange(K + 1)[None, :] < num_emitted[:, None]
+    emitted = jnp.maximum(out, 0)
+    at_node = jnp.zeros((S, K + 1), jnp.int32).at[rows_, jnp.where(live, source, K + 1)].set(emitted, mode="drop")
+    sampled = token_logprobs(logits, at_node.reshape(-1)[flat], batch.want_logprobs[seq])
+    by_slot = slot[rows_, jnp.maximum(source, 0)].reshape(-1)
+    sampled = jax.tree.map(lambda x: x[by_slot], sampled).replace(tokens=emitted.reshape(-1))
+    return sampled, num_emitted, pool, hidden, move
+
+
 @functools.cache
 def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
     """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
@@ -295,26 +325,42 @@ def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K:
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
-        S = spec.num_draft.shape[0]
-        hidden, pool = target(batch.token_ids, batch.positions, paged_attend(batch, attention, spec.tree_mask), pool)
-        rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
-        logits = target.logits(hidden[rows])  # [W, V]
-        choice = sample(logits, batch.temperature[seq], batch.top_k[seq], batch.top_p[seq], batch.min_p[seq],
-                        batch.seeds[seq], batch.positions[rows] + 1)
-        nodes = batch.token_ids[spec.verify_indices]  # [S, K+1], the root then the nodes
-        out, num_emitted, path = verify_tree_coupled(choice[slot], nodes, spec.parents, spec.num_draft + 1)
-        root = jnp.where((spec.num_draft > 0) & (batch.seq_lens > 0), batch.positions[batch.logits_indices], -1)
-        pool = KVPool(*(move_path_kv(x, batch.block_tables, root, path) for x in (pool.k, pool.v)))
-        # Emitted token j comes from node path[j - 1] (the root for j = 0): log-probabilities on the compact
-        # rows, each row scoring the token emitted from its node, then gathered per emitted slot.
-        rows_ = jnp.arange(S)[:, None]
-        source = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), path[:, :K]], axis=1)  # [S, K+1]
-        live = jnp.arange(K + 1)[None, :] < num_emitted[:, None]
-        emitted = jnp.maximum(out, 0)
-        at_node = jnp.zeros((S, K + 1), jnp.int32).at[rows_, jnp.where(live, source, K + 1)].set(emitted, mode="drop")
-        sampled = token_logprobs(logits, at_node.reshape(-1)[flat], batch.want_logprobs[seq])
-        by_slot = slot[rows_, jnp.maximum(source, 0)].reshape(-1)
-        sampled = jax.tree.map(lambda x: x[by_slot], sampled).replace(tokens=emitted.reshape(-1))
-        return sampled, num_emitted, pool
+        return _tree_verify(target, pool, batch, spec, batch.token_ids, K, attention)[:3]
+
+    return step
+
+
+@functools.cache
+def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, attention: Callable,
+                     K: int, tree: tuple[tuple[int, ...], tuple[int, ...]]):
+    """Returns the jitted `step(target_state, heads_state, pool, features, batch, spec)` of Medusa heads
+    (`model.medusa.MedusaHeads`), returning `(sampled, num_emitted, pool, features)` as `make_spec_step`
+    does; the pools are donated.
+
+    With `K` > 0, each drafting row's heads read the target's feature at the position before its last real
+    token (the hidden state whose logits gave that token, from the `FeaturePool`) and their candidates fill
+    the static tree `tree` = (heads, ranks) of node 1..K (`model.medusa.medusa_tree`; a cut tree keeps its
+    first nodes); the target then verifies the trees as `make_tree_verify_step` does. Every step writes the
+    target's hidden state at each packed token into the feature pool and moves the accepted paths' features
+    with their KV, so the next step's heads read the feature of the last accepted node. `K = 0` only keeps
+    the feature pool up to date.
+    """
+    heads_of, ranks_of = (jnp.asarray(x, jnp.int32) for x in tree)
+    n = max(tree[1]) + 1 if K else 0
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    def step(target_state, heads_state, pool: KVPool, features: FeaturePool, batch: StepBatch, spec: SpecBatch):
+        target = nnx.merge(target_graphdef, target_state)
+        token_ids = batch.token_ids
+        if K:
+            heads = nnx.merge(heads_graphdef, heads_state)
+            S = spec.num_draft.shape[0]
+            prev = _features_before(features, batch.block_tables, jnp.arange(S), batch.positions[batch.logits_indices])
+            candidates = heads.candidates(prev, n)  # [S, heads, n]
+            token_ids = token_ids.at[spec.draft_token_index].set(candidates[:, heads_of, ranks_of], mode="drop")
+        B = features.f.shape[2]
+        sampled, num_emitted, pool, hidden, move = _tree_verify(target, pool, batch, spec, token_ids, K, attention)
+        f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
+        return sampled, num_emitted, pool, FeaturePool(move(f))
 
     return step
