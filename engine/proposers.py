@@ -140,7 +140,7 @@ class Proposer:
         rows.sort(key=lambda row: -row[0])
         best, choice = (B + gain) / self._cost(B, fixed, fixed_k, work, plain_at, base), (0, 0)
         fixed_work = work
-        for cap in self.config.ladder:
+        for cap in self.gate_caps:
             drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
             for m, (a, k, r) in enumerate(rows, 1):
                 k = min(k, cap)
@@ -176,6 +176,16 @@ class Proposer:
         K = min(k for k in self.program_ks if k >= top)
         seconds = self.costs.estimate(*shape, K, work, self.costs.shape(B, B)[0], plain, plain_work)
         return plain if seconds is None else max(seconds, plain)
+
+    @property
+    def gate_caps(self) -> tuple[int, ...]:
+        """The draft-length caps the cost gate tries: the ladder K, K/2, ..., 1 for chains; for token trees,
+        cuts that fill a power-of-two verify window (1, 3, 7, 15 nodes + the root) and the whole tree, so a
+        CPU, where a wide window costs more, verifies small trees and a GPU large ones."""
+        n = self.config.tree_nodes
+        if not n:
+            return self.config.ladder
+        return tuple(sorted({c for c in (1, 3, 7, 15) if c < n} | {n}))
 
     def draft_len(self, request: Request, step: int) -> int:
         """The draft length `request` gets at engine step `step` (the gate's choice from `begin_step`)."""
@@ -389,10 +399,13 @@ class MedusaProposer(DraftModelProposer):
         self._behind: set[str] = set()
 
     def wanted(self, request: Request, step: int) -> int:
-        """The whole tree (0 once the request's features fell behind, or where the policy says no drafting)."""
-        if request.request_id in self._behind or not self.policy_k(request, step):
+        """The tree's first nodes up to the first one deeper than the policy's K (which a request's own
+        `num_speculative_tokens` caps); 0 once the request's features fell behind."""
+        if request.request_id in self._behind:
             return 0
-        return len(self.parents)
+        k = self.policy_k(request, step)
+        deeper = np.flatnonzero(self._depths[1:] > k)
+        return int(deeper[0]) if len(deeper) else len(self.parents)
 
     @property
     def program_ks(self) -> tuple[int, ...]:

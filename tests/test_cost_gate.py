@@ -243,3 +243,32 @@ def test_an_unmeasured_verify_costs_the_plain_step_plus_its_extra_tokens(accepts
     rs = _decodes(4)
     p.begin_step(rs, 0)
     assert [p.draft_len(r, 0) for r in rs] == [1 if drafts else 0] * 4
+
+
+class _Tree(_Fixed):
+    """A host proposer of 12-node token trees, 4 deep: depth 1 for the first 2 nodes, 2 up to 6, 3 up to 11."""
+
+    def wanted(self, request, step):
+        return 12
+
+    def depth(self, request, k):
+        return 0 if k == 0 else 1 if k < 3 else 2 if k < 7 else 3 if k < 12 else 4
+
+
+@pytest.mark.parametrize("window_ms,want", [({2: 20.5, 4: 21, 8: 30, 16: 41}, 3),
+                                            ({2: 20, 4: 20, 8: 20, 16: 20}, 12)], ids=["cpu", "gpu"])
+def test_the_gate_cuts_trees_to_the_window_that_pays(window_ms, want):
+    """Trees are cut at 1, 3, 7 nodes (windows of 2, 4, 8 tokens) or kept whole. At alpha 0.5, where a wide
+    window costs more (CPU) 3 nodes win: 1 + E(0.5, 2) = 1.75 tokens in 21 ms; where windows cost the same
+    (GPU) the whole tree, 4 deep."""
+    config = SpeculationConfig(4, method="ngram", tree_nodes=12)
+    p = _Tree(config, {"r0": 12})
+    assert p.gate_caps == (1, 3, 7, 12) and Proposer(SpeculationConfig(4)).gate_caps == (1, 2, 4)
+    _teach(p, "default", [(4, 1)])  # alpha 0.51: one of two tried path positions accepted
+    assert p.alpha(_decodes(1)[0]) == pytest.approx(0.5, abs=0.01)
+    p.costs.observe(1, 1, None, 0.020)
+    for T, ms in window_ms.items():
+        p.costs.observe(T, 1, 12, ms / 1000)
+    [r] = _decodes(1)
+    p.begin_step([r], 0)
+    assert p.draft_len(r, 0) == want

@@ -138,3 +138,16 @@ def test_feature_pool_holds_the_targets_hidden_states_along_accepted_paths(targe
     blocks = request.allocation.block_ids
     got = np.stack([f[0, blocks[p // B], p % B, 0] for p in range(n)])
     np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+def test_tree_is_cut_at_the_requests_depth(target, heads):
+    """The tree is best-first ((0,) 0.6, (0,0) 0.3, (1,) 0.25, (1,0) 0.125, ...); a request's own
+    num_speculative_tokens caps its depth: the tree's nodes up to the first deeper one; depth(k) is the
+    first k nodes' deepest path."""
+    from engine.proposers import MedusaProposer
+    from scheduler.request import Request
+    proposer = MedusaProposer(heads, TREE, target.config)
+    assert proposer.parents[:4] == [0, 1, 0, 3] and proposer.tree[0][:4] == (0, 1, 0, 1)
+    wanted = [proposer.wanted(Request([3, 4], SamplingParams(num_speculative_tokens=k)), 0) for k in (0, 1, 2, 3)]
+    assert wanted[:2] == [0, 1] and 1 < wanted[2] < 8 and wanted[3] == 8
+    assert [proposer.depth(None, k) for k in range(5)] == [0, 1, 2, 2, 2]
