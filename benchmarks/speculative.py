@@ -57,6 +57,8 @@ flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted)
 flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
+flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups of `batch` prompts, one group after "
+                     "another, and reports the mean of their figures (batch 1 with one prompt is one sample).")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree / "
                   "medusa-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each head's top token).")
@@ -72,16 +74,16 @@ flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft 
 DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
 
-def _prompts(tok, domain, n):
-    """The first n prompts of the domain's held-out split (never trained on: training/data.py)."""
+def _prompts(tok, domain, n, offset=0):
+    """n prompts of the domain's held-out split (never trained on: training/data.py), from --skip + offset."""
     from training.data import EVAL_PERCENT, prompt_hash
 
     with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     held = [r["prompt"] for r in rows if prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)]
-    texts = held[FLAGS.skip:FLAGS.skip + n]
+    texts = held[FLAGS.skip + offset:FLAGS.skip + offset + n]
     if len(texts) < n:
-        raise ValueError(f"{domain}: {len(held)} held-out prompts, {FLAGS.skip + n} needed")
+        raise ValueError(f"{domain}: {len(held)} held-out prompts, {FLAGS.skip + offset + n} needed")
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
             for t in texts]
 
@@ -139,6 +141,16 @@ def _decode(llm, prompts, request_class="default"):
     share = spent["propose"] / sum(spent.values())
     return tokens / elapsed, 1e3 * elapsed / steps, tokens / steps, (accepted / drafted if drafted else None), \
         [outs[i].token_ids for i in ids], length, positions, share
+
+
+def _decode_rounds(llm, groups, request_class="default"):
+    """`_decode` over each prompt group in turn: the mean of each figure (per-position acceptance over the
+    positions every group reached), the outputs of all groups in order."""
+    runs = [_decode(llm, g, request_class) for g in groups]
+    mean = lambda j: statistics.mean(r[j] or 0.0 for r in runs)
+    depth = min(len(r[6]) for r in runs)
+    positions = [statistics.mean(r[6][i] for r in runs) for i in range(depth)]
+    return mean(0), mean(1), mean(2), mean(3), [t for r in runs for t in r[4]], mean(5), positions, mean(7)
 
 
 def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
@@ -204,10 +216,10 @@ def main(argv):
     adaptive = []
     for domain in FLAGS.domains:
         for b in batch_sizes:
-            prompts = _prompts(target.tokenizer, domain, b)
-            plain_tps, plain_ms, _, _, want, _, _, _ = _decode(plain_llm, prompts)
+            prompts = [_prompts(target.tokenizer, domain, b, r * b) for r in range(FLAGS.rounds)]
+            plain_tps, plain_ms, _, _, want, _, _, _ = _decode_rounds(plain_llm, prompts)
             for (name, k), llm in spec_llms.items():
-                tps, ms, per_step, alpha, got, length, positions, share = _decode(llm, prompts)
+                tps, ms, per_step, alpha, got, length, positions, share = _decode_rounds(llm, prompts)
                 if FLAGS.temperature == 0:
                     assert got == want, "speculative greedy output differs from the target's"
                 c = (ms - plain_ms) / (k * plain_ms)
@@ -220,11 +232,11 @@ def main(argv):
                 # Runs alternate with the plain engine's; the medians are compared (this VM's speed drifts).
                 runs, plain_runs = [], [plain_tps]
                 for i in range(FLAGS.repeats):
-                    runs.append(_decode(llm, prompts, request_class=domain))
+                    runs.append(_decode_rounds(llm, prompts, request_class=domain))
                     if FLAGS.temperature == 0:
                         assert runs[-1][4] == want, "speculative greedy output differs from the target's"
                     if i + 1 < FLAGS.repeats:
-                        plain_runs.append(_decode(plain_llm, prompts)[0])
+                        plain_runs.append(_decode_rounds(plain_llm, prompts)[0])
                 tps, per_step, share = (statistics.median(r[j] for r in runs) for j in (0, 2, 7))
                 alpha = runs[-1][3]
                 plain_med = statistics.median(plain_runs)

@@ -124,11 +124,10 @@ class Engine:
         sequence reaches `max_model_len`, even before `max_tokens`.
         """
         sampling.validate()
-        k = sampling.num_speculative_tokens
-        if k and self.proposer is None:
+        if (sampling.num_speculative_tokens or sampling.num_tree_nodes) and self.proposer is None:
             raise InvalidRequestError("speculation is not available: the engine has no proposer")
         if self.proposer is not None:
-            self.proposer.validate(k)
+            self.proposer.validate(sampling)
         if sampling.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)

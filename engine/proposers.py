@@ -89,11 +89,17 @@ class Proposer:
         self._acceptance: dict = {}  # acceptance_key -> _Acceptance, alpha's estimate
         self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
 
-    def validate(self, requested: int | None) -> None:
-        """Raises InvalidRequestError if a request asks for more draft tokens than the engine compiles."""
-        if requested is not None and requested > self.config.num_speculative_tokens:
-            raise InvalidRequestError(f"num_speculative_tokens={requested} exceeds the engine's "
+    def validate(self, sampling) -> None:
+        """Raises InvalidRequestError if a request (`SamplingParams`) asks for more draft tokens or tree nodes
+        than the engine compiles, or for tree nodes from an engine without token trees."""
+        k, nodes = sampling.num_speculative_tokens, sampling.num_tree_nodes
+        if k is not None and k > self.config.num_speculative_tokens:
+            raise InvalidRequestError(f"num_speculative_tokens={k} exceeds the engine's "
                                       f"{self.config.num_speculative_tokens}")
+        if nodes is not None and not self.config.tree_nodes:
+            raise InvalidRequestError(f"num_tree_nodes={nodes}: this engine verifies chains, not token trees")
+        if nodes is not None and nodes > self.config.tree_nodes:
+            raise InvalidRequestError(f"num_tree_nodes={nodes} exceeds the engine's {self.config.tree_nodes}")
 
     def policy_k(self, request: Request, step: int) -> int:
         return self.policy.k_for(request.request_id, request.request_class, request.sampling.num_speculative_tokens,
@@ -400,12 +406,14 @@ class MedusaProposer(DraftModelProposer):
 
     def wanted(self, request: Request, step: int) -> int:
         """The tree's first nodes up to the first one deeper than the policy's K (which a request's own
-        `num_speculative_tokens` caps); 0 once the request's features fell behind."""
+        `num_speculative_tokens` caps), at most the request's `num_tree_nodes`; 0 once the request's features
+        fell behind."""
         if request.request_id in self._behind:
             return 0
         k = self.policy_k(request, step)
         deeper = np.flatnonzero(self._depths[1:] > k)
-        return int(deeper[0]) if len(deeper) else len(self.parents)
+        n = int(deeper[0]) if len(deeper) else len(self.parents)
+        return min(n, request.sampling.num_tree_nodes or n)
 
     @property
     def program_ks(self) -> tuple[int, ...]:
@@ -474,7 +482,8 @@ class NgramProposer(Proposer):
             tokens, n = [], 0
         elif c.tree_nodes:
             tokens, self._parents[request.request_id], n = lookup_tree(
-                self._tokens(request), c.tree_nodes, k, c.prompt_lookup_max, c.prompt_lookup_min)
+                self._tokens(request), request.sampling.num_tree_nodes or c.tree_nodes, k, c.prompt_lookup_max,
+                c.prompt_lookup_min)
         else:
             tokens, n = lookup(self._tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
         self._proposed[request.request_id], self._matched[request.request_id] = tokens, n

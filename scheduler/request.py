@@ -33,6 +33,9 @@ class SamplingParams:
     num_speculative_tokens: draft tokens per verify step for this request:
       None takes the engine's (adaptive) choice, 0 turns speculation off, k
       caps it at k. Output follows the same distribution either way.
+    num_tree_nodes: with an engine that verifies token trees, at most this
+      many tree nodes per verify step for this request (>= 1; None: the
+      engine's tree).
     logprobs: for every generated token, also return its log-probability and
       those of the `logprobs` most likely tokens (0 to MAX_LOGPROBS); None
       returns none. They come from the model's raw distribution, before
@@ -50,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     num_speculative_tokens: int | None = None
+    num_tree_nodes: int | None = None
     logprobs: int | None = None
 
     def __post_init__(self):
@@ -75,6 +79,9 @@ class SamplingParams:
         k = self.num_speculative_tokens
         if k is not None and not (_is_int(k) and k >= 0):
             raise InvalidRequestError(f"num_speculative_tokens must be an integer >= 0 or None, got {k!r}")
+        nodes = self.num_tree_nodes
+        if nodes is not None and not (_is_int(nodes) and nodes >= 1):
+            raise InvalidRequestError(f"num_tree_nodes must be an integer >= 1 or None, got {nodes!r}")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

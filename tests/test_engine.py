@@ -242,5 +242,9 @@ def test_api_argument_forms(llm):
         LLM("tiny-llama", num_blocks=48, max_model_len=1000)
     with pytest.raises(ValueError, match="max_model_len must be >= 2"):
         LLM("tiny-llama", num_blocks=48, max_model_len=0)
+    with pytest.raises(InvalidRequestError, match="num_tree_nodes must be an integer >= 1"):
+        SamplingParams(num_tree_nodes=0).validate()
+    with pytest.raises(InvalidRequestError, match="no proposer"):
+        llm.generate([3, 4], SamplingParams(num_tree_nodes=2))
     with pytest.raises(ValueError, match="num_tree_nodes=4 needs speculation"):
         LLM("tiny-llama", num_blocks=48, speculative=None, num_tree_nodes=4)

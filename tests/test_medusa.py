@@ -150,4 +150,5 @@ def test_tree_is_cut_at_the_requests_depth(target, heads):
     assert proposer.parents[:4] == [0, 1, 0, 3] and proposer.tree[0][:4] == (0, 1, 0, 1)
     wanted = [proposer.wanted(Request([3, 4], SamplingParams(num_speculative_tokens=k)), 0) for k in (0, 1, 2, 3)]
     assert wanted[:2] == [0, 1] and 1 < wanted[2] < 8 and wanted[3] == 8
+    assert proposer.wanted(Request([3, 4], SamplingParams(num_tree_nodes=3)), 0) == 3  # a request's node budget
     assert [proposer.depth(None, k) for k in range(5)] == [0, 1, 2, 2, 2]

@@ -299,3 +299,5 @@ def test_tree_depth_is_what_the_gate_expects_acceptance_along():
     assert [proposer.depth(r, k) for k in range(8)] == [0, 1, 2, 2, 2, 2, 2, 2]
     chain = NgramProposer(NGRAM)
     assert chain.wanted(r, 0) == 3 and chain.depth(r, 3) == 3
+    capped = Request(BRANCHING, SamplingParams(temperature=0, num_tree_nodes=4))  # a request's node budget
+    assert proposer.wanted(capped, 0) == 4 and proposer.depth(capped, 4) == 2

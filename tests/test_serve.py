@@ -528,5 +528,29 @@ def test_ngram_server_lists_its_kind_and_matches_offline():
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(prompt, speculation=True, speculation_kind="draft", **kw)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'draft' is not available" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, speculation=True, num_tree_nodes=2, **kw)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "verifies chains" in e.value.details()
+    finally:
+        s.stop()
+
+
+def test_tree_server_takes_a_per_request_node_budget():
+    """A server verifying 8-node n-gram trees: a request's `num_tree_nodes` caps its trees (the output is the
+    target's either way), one over the server's tree is refused and the server keeps serving."""
+    llm = LLM("tiny-llama", speculative="ngram", num_speculative_tokens=3, num_tree_nodes=8, **LIMITS)
+    s = ServerThread(llm)
+    try:
+        with Client(s.target) as c:
+            prompt = [40, 41, 42, 43, 40, 41, 44, 40, 41] * 3  # "40 41" is followed by 42 and 44: trees branch
+            kw = dict(temperature=0, max_tokens=12, ignore_eos=True)
+            want = _offline(s, llm, [prompt], SamplingParams(**kw))[0]
+            for nodes in (1, 2, 8):
+                got = c.generate(prompt, speculation=True, num_tree_nodes=nodes, **kw)
+                assert got.token_ids == want.token_ids
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, speculation=True, num_tree_nodes=9, **kw)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the engine's 8" in e.value.details()
+            assert c.generate(prompt, **kw).token_ids == want.token_ids
     finally:
         s.stop()

@@ -32,20 +32,21 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 
 def generate_request(prompt: Prompt, *, priority: int = 0, request_id: str = "", cache_salt: str = "",
                      speculation: bool | None = None, num_speculative_tokens: int = 0, speculation_kind: str = "",
-                     **sampling) -> pb.GenerateRequest:
+                     num_tree_nodes: int = 0, **sampling) -> pb.GenerateRequest:
     """Builds a GenerateRequest; raises TypeError for an unknown sampling keyword or prompt type.
 
     `request_id`: a label the responses echo. `cache_salt`: share prefix-cache
     entries only with requests of the same salt (within the caller's tenant).
     `speculation`: None leaves it to the server; False turns it off; True asks
-    for it (at most `num_speculative_tokens` draft tokens per step, 0 = the server's K), of
-    `speculation_kind` if given (one of `ModelInfo.speculation_kinds`).
+    for it (at most `num_speculative_tokens` draft tokens per step, 0 = the server's K; with a server
+    verifying token trees, at most `num_tree_nodes` nodes, 0 = its tree), of `speculation_kind` if given (one
+    of `ModelInfo.speculation_kinds`).
     """
     request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), priority=priority, request_id=request_id,
                                  cache_salt=cache_salt)
     if speculation is not None:
         request.speculation.CopyFrom(pb.Speculation(enabled=speculation, num_speculative_tokens=num_speculative_tokens,
-                                                  kind=speculation_kind))
+                                                  kind=speculation_kind, num_tree_nodes=num_tree_nodes))
     if isinstance(prompt, str):
         request.text = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):

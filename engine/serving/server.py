@@ -233,10 +233,11 @@ class GenerationServicer:
         proposer = self.worker.engine.proposer
         return [proposer.kind] if proposer is not None else []
 
-    def _speculation(self, spec: pb.Speculation) -> int | None:
-        """The request's `num_speculative_tokens` (None: the engine's choice); raises _BadRequest."""
+    def _speculation(self, spec: pb.Speculation) -> dict:
+        """The request's `num_speculative_tokens` and `num_tree_nodes` (None: the engine's choice), as
+        SamplingParams fields; raises _BadRequest."""
         if not spec.enabled:
-            return 0
+            return {"num_speculative_tokens": 0}
         kinds = self._speculation_kinds()
         if not kinds:
             raise _BadRequest("speculation is not available for this model: the server has no proposer "
@@ -245,7 +246,10 @@ class GenerationServicer:
             raise _BadRequest(f"speculation kind {spec.kind!r} is not available; this server has {kinds}")
         if spec.num_speculative_tokens < 0:
             raise _BadRequest(f"speculation.num_speculative_tokens must be >= 0, got {spec.num_speculative_tokens}")
-        return spec.num_speculative_tokens or None
+        if spec.num_tree_nodes < 0:
+            raise _BadRequest(f"speculation.num_tree_nodes must be >= 0, got {spec.num_tree_nodes}")
+        return {"num_speculative_tokens": spec.num_speculative_tokens or None,
+                "num_tree_nodes": spec.num_tree_nodes or None}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -255,7 +259,7 @@ class GenerationServicer:
                                   f"{MAX_REQUEST_ID_CHARS}")
             sampling = sampling_from_proto(request.sampling)
             if request.HasField("speculation"):
-                sampling = dataclasses.replace(sampling, num_speculative_tokens=self._speculation(request.speculation))
+                sampling = dataclasses.replace(sampling, **self._speculation(request.speculation))
             prompt = await asyncio.to_thread(_prompt, self.tokenizer, request, "prompt")
         except (_BadRequest, InvalidRequestError) as e:
             self.metrics.rejected.inc()

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$engine/serving/protos/generate.proto\x12\njaxspec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jaxspec.v1.ChatMessage\"\xb6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"L\n\x0bSpeculation\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04kind\x18\x03 \x01(\t\"\x96\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.jaxspec.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.jaxspec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxspec.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x17.jaxspec.v1.Speculation\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x08Logprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.jaxspec.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.jaxspec.v1.TokenLogprob\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_acceptance_rate\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.jaxspec.v1.Logprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.jaxspec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jaxspec.v1.Usage\"P\n\nScoreInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.jaxspec.v1.TokenIdsH\x00\x42\x07\n\x05input\"6\n\x0cScoreRequest\x12&\n\x06inputs\x18\x01 \x03(\x0b\x32\x16.jaxspec.v1.ScoreInput\"P\n\x0bScoreResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0etoken_logprobs\x18\x02 \x03(\x02\x12\x16\n\x0elog_likelihood\x18\x03 \x01(\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.jaxspec.v1.ScoreResult\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.jaxspec.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb7\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x19\n\x11speculation_kinds\x18\x07 \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\x05\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x12\n\nnum_blocks\x18\x0b \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxspec.v1.GenerateRequest\x1a\x1c.jaxspec.v1.GenerateResponse0\x01\x12<\n\x05Score\x12\x18.jaxspec.v1.ScoreRequest\x1a\x19.jaxspec.v1.ScoreResponse\x12\x45\n\x08Tokenize\x12\x1b.jaxspec.v1.TokenizeRequest\x1a\x1c.jaxspec.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.jaxspec.v1.DetokenizeRequest\x1a\x1e.jaxspec.v1.DetokenizeResponse\x12H\n\tModelInfo\x12\x1c.jaxspec.v1.ModelInfoRequest\x1a\x1d.jaxspec.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$engine/serving/protos/generate.proto\x12\njaxspec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jaxspec.v1.ChatMessage\"\xb6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"d\n\x0bSpeculation\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x16\n\x0enum_tree_nodes\x18\x04 \x01(\x05\"\x96\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.jaxspec.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.jaxspec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxspec.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12,\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x17.jaxspec.v1.Speculation\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06prompt\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\\\n\x08Logprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.jaxspec.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.jaxspec.v1.TokenLogprob\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1c\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_acceptance_rate\"\xc2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.jaxspec.v1.Logprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.jaxspec.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jaxspec.v1.Usage\"P\n\nScoreInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.jaxspec.v1.TokenIdsH\x00\x42\x07\n\x05input\"6\n\x0cScoreRequest\x12&\n\x06inputs\x18\x01 \x03(\x0b\x32\x16.jaxspec.v1.ScoreInput\"P\n\x0bScoreResult\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x16\n\x0etoken_logprobs\x18\x02 \x03(\x02\x12\x16\n\x0elog_likelihood\x18\x03 \x01(\x01\"9\n\rScoreResponse\x12(\n\x07results\x18\x01 \x03(\x0b\x32\x17.jaxspec.v1.ScoreResult\"T\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x18.jaxspec.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\xb7\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\x12\x19\n\x11speculation_kinds\x18\x07 \x03(\t\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\x05\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x12\n\nblock_size\x18\n \x01(\x05\x12\x12\n\nnum_blocks\x18\x0b \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x0c \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xf1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxspec.v1.GenerateRequest\x1a\x1c.jaxspec.v1.GenerateResponse0\x01\x12<\n\x05Score\x12\x18.jaxspec.v1.ScoreRequest\x1a\x19.jaxspec.v1.ScoreResponse\x12\x45\n\x08Tokenize\x12\x1b.jaxspec.v1.TokenizeRequest\x1a\x1c.jaxspec.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.jaxspec.v1.DetokenizeRequest\x1a\x1e.jaxspec.v1.DetokenizeResponse\x12H\n\tModelInfo\x12\x1c.jaxspec.v1.ModelInfoRequest\x1a\x1d.jaxspec.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engine.serving.protos.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2179
-  _globals['_FINISHREASON']._serialized_end=2299
+  _globals['_FINISHREASON']._serialized_start=2203
+  _globals['_FINISHREASON']._serialized_end=2323
   _globals['_TOKENIDS']._serialized_start=52
   _globals['_TOKENIDS']._serialized_end=75
   _globals['_CHATMESSAGE']._serialized_start=77
@@ -42,37 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=183
   _globals['_SAMPLINGPARAMS']._serialized_end=493
   _globals['_SPECULATION']._serialized_start=495
-  _globals['_SPECULATION']._serialized_end=571
-  _globals['_GENERATEREQUEST']._serialized_start=574
-  _globals['_GENERATEREQUEST']._serialized_end=852
-  _globals['_TOKENLOGPROB']._serialized_start=854
-  _globals['_TOKENLOGPROB']._serialized_end=903
-  _globals['_LOGPROBS']._serialized_start=905
-  _globals['_LOGPROBS']._serialized_end=997
-  _globals['_USAGE']._serialized_start=1000
-  _globals['_USAGE']._serialized_end=1137
-  _globals['_GENERATERESPONSE']._serialized_start=1140
-  _globals['_GENERATERESPONSE']._serialized_end=1334
-  _globals['_SCOREINPUT']._serialized_start=1336
-  _globals['_SCOREINPUT']._serialized_end=1416
-  _globals['_SCOREREQUEST']._serialized_start=1418
-  _globals['_SCOREREQUEST']._serialized_end=1472
-  _globals['_SCORERESULT']._serialized_start=1474
-  _globals['_SCORERESULT']._serialized_end=1554
-  _globals['_SCORERESPONSE']._serialized_start=1556
-  _globals['_SCORERESPONSE']._serialized_end=1613
-  _globals['_TOKENIZEREQUEST']._serialized_start=1615
-  _globals['_TOKENIZEREQUEST']._serialized_end=1699
-  _globals['_TOKENIZERESPONSE']._serialized_start=1701
-  _globals['_TOKENIZERESPONSE']._serialized_end=1738
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1740
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1807
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1809
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1843
-  _globals['_MODELINFOREQUEST']._serialized_start=1845
-  _globals['_MODELINFOREQUEST']._serialized_end=1863
-  _globals['_MODELINFORESPONSE']._serialized_start=1866
-  _globals['_MODELINFORESPONSE']._serialized_end=2177
-  _globals['_GENERATION']._serialized_start=2302
-  _globals['_GENERATION']._serialized_end=2671
+  _globals['_SPECULATION']._serialized_end=595
+  _globals['_GENERATEREQUEST']._serialized_start=598
+  _globals['_GENERATEREQUEST']._serialized_end=876
+  _globals['_TOKENLOGPROB']._serialized_start=878
+  _globals['_TOKENLOGPROB']._serialized_end=927
+  _globals['_LOGPROBS']._serialized_start=929
+  _globals['_LOGPROBS']._serialized_end=1021
+  _globals['_USAGE']._serialized_start=1024
+  _globals['_USAGE']._serialized_end=1161
+  _globals['_GENERATERESPONSE']._serialized_start=1164
+  _globals['_GENERATERESPONSE']._serialized_end=1358
+  _globals['_SCOREINPUT']._serialized_start=1360
+  _globals['_SCOREINPUT']._serialized_end=1440
+  _globals['_SCOREREQUEST']._serialized_start=1442
+  _globals['_SCOREREQUEST']._serialized_end=1496
+  _globals['_SCORERESULT']._serialized_start=1498
+  _globals['_SCORERESULT']._serialized_end=1578
+  _globals['_SCORERESPONSE']._serialized_start=1580
+  _globals['_SCORERESPONSE']._serialized_end=1637
+  _globals['_TOKENIZEREQUEST']._serialized_start=1639
+  _globals['_TOKENIZEREQUEST']._serialized_end=1723
+  _globals['_TOKENIZERESPONSE']._serialized_start=1725
+  _globals['_TOKENIZERESPONSE']._serialized_end=1762
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1764
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1831
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1833
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1867
+  _globals['_MODELINFOREQUEST']._serialized_start=1869
+  _globals['_MODELINFOREQUEST']._serialized_end=1887
+  _globals['_MODELINFORESPONSE']._serialized_start=1890
+  _globals['_MODELINFORESPONSE']._serialized_end=2201
+  _globals['_GENERATION']._serialized_start=2326
+  _globals['_GENERATION']._serialized_end=2695
 # @@protoc_insertion_point(module_scope)

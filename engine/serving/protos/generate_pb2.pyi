@@ -63,14 +63,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Speculation(_message.Message):
-    __slots__ = ("enabled", "num_speculative_tokens", "kind")
+    __slots__ = ("enabled", "num_speculative_tokens", "kind", "num_tree_nodes")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     num_speculative_tokens: int
     kind: str
-    def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+    num_tree_nodes: int
+    def __init__(self, enabled: _Optional[bool] = ..., num_speculative_tokens: _Optional[int] = ..., kind: _Optional[str] = ..., num_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "sampling", "priority", "speculation", "request_id", "cache_salt")
