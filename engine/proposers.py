@@ -35,11 +35,10 @@ vLLM's n-gram speculator for prompt lookup.
 from __future__ import annotations
 
 import numpy as np
+from flax import nnx
 
 from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, attention_pairs,
                              expected_accepted)
-from flax import nnx
-
 from engine.speculative import FeaturePool, make_eagle_step, make_medusa_step, make_spec_step
 from engine.step import KVPool, Weights, build_model, kv_bytes_per_block
 from model import medusa
