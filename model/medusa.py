@@ -104,7 +104,7 @@ def medusa_tree(accuracy: np.ndarray, num_nodes: int) -> tuple[list[int], list[i
 
     Args:
       accuracy: float `[K, n]`, K heads, n candidates each.
-      num_nodes: nodes below the root (1..K * n^K).
+      num_nodes: nodes below the root (1 .. n + n^2 + ... + n^K).
     Returns:
       (parents, heads, ranks), lists of `num_nodes` ints: node i's parent (0 the
       root, j the j-th node, 1-based), the head (0-based) and rank its token comes from.
