@@ -61,7 +61,8 @@ flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups o
                      "another, and reports the mean of their figures (batch 1 with one prompt is one sample).")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree / "
-                  "medusa-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each head's top token).")
+                  "medusa-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each head's top "
+                  "token).")
 flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree / medusa-tree proposal.")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],

@@ -23,7 +23,8 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
 # Speculative decoding.
 flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "ngram", "off"],
                   "Speculative decoding: eagle = an EAGLE head on the target's features proposes, medusa = "
-                  "Medusa heads fill a token tree, draft = a draft model proposes, ngram = prompt lookup; auto = the proposer shown to pay on the model "
+                  "Medusa heads fill a token tree, draft = a draft model proposes, ngram = prompt lookup; "
+                  "auto = the proposer shown to pay on the model "
                   "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model, EAGLE head or Medusa heads (bundled name or path); default: the "
                     "model's own.")
