@@ -40,7 +40,10 @@ class SpeculationConfig:
       many nodes below the root (<= 31: a tree mask is one int32 word), each
       path at most `num_speculative_tokens` deep. "ngram": the continuations of
       every earlier match, merged (`scheduler.ngram.lookup_tree`); "medusa": the
-      heads' static sparse tree (`model.medusa.medusa_tree`).
+      heads' static sparse tree (`model.medusa.medusa_tree`); "eagle": EAGLE-2
+      dynamic trees (`engine.speculative.make_eagle_tree_step`).
+    tree_branching: "eagle" trees: children proposed per expanded node, and
+      nodes expanded per level (EAGLE-2's top-k), 1..8.
     """
 
     num_speculative_tokens: int = 4
@@ -51,6 +54,7 @@ class SpeculationConfig:
     prompt_lookup_min: int = 1
     method: str = "draft"
     tree_nodes: int = 0
+    tree_branching: int = 4
 
     def __post_init__(self):
         if self.method not in ("draft", "eagle", "medusa", "ngram"):
@@ -59,9 +63,11 @@ class SpeculationConfig:
             raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
-        if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method not in ("ngram", "medusa")):
-            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram' and 'medusa'), "
+        if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method == "draft"):
+            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram', 'medusa' and 'eagle'), "
                              f"got {self.tree_nodes}")
+        if not 1 <= self.tree_branching <= 8:
+            raise ValueError(f"tree_branching must be in [1, 8], got {self.tree_branching}")
         if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
             raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
 

@@ -43,7 +43,9 @@ class LLM:
       num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
         this many nodes (1..31), each path at most K deep ("ngram": the
         continuations of every earlier match, verified in one tree window;
-        "medusa": the heads' static sparse tree).
+        "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic trees).
+      tree_branching: "eagle" trees: children per expanded node and nodes
+        expanded per level (1..8).
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -52,7 +54,7 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
-                 num_speculative_tokens: int = 4, num_tree_nodes: int = 0, **engine_args):
+                 num_speculative_tokens: int = 4, num_tree_nodes: int = 0, tree_branching: int = 4, **engine_args):
         from checkpoints.draft import (AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, DEFAULT_MEDUSA_HEADS,
                                        draft_names, load_draft)
 
@@ -80,7 +82,8 @@ class LLM:
             raise ValueError(f"num_tree_nodes={num_tree_nodes} needs speculation, but speculative resolved to None")
         speculation = None
         if speculative is not None:
-            speculation = SpeculationConfig(num_speculative_tokens, method=speculative, tree_nodes=num_tree_nodes)
+            speculation = SpeculationConfig(num_speculative_tokens, method=speculative, tree_nodes=num_tree_nodes,
+                                            tree_branching=tree_branching)
         self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft, speculation=speculation)
 
     def encode(self, prompt: Prompt) -> list[int]:

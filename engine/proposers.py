@@ -39,7 +39,8 @@ from flax import nnx
 
 from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, attention_pairs,
                              expected_accepted)
-from engine.speculative import FeaturePool, make_eagle_step, make_medusa_step, make_spec_step
+from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, make_eagle_tree_step, make_medusa_step,
+                                make_spec_step)
 from engine.step import KVPool, Weights, build_model, kv_bytes_per_block
 from model import medusa
 from model.eagle import FC
@@ -356,8 +357,44 @@ class EagleProposer(DraftModelProposer):
     def bytes_per_block(self, block_size: int) -> int:
         return super().bytes_per_block(block_size) + FeaturePool.bytes_per_block(self.target_config, block_size)
 
+    @property
+    def output_independent(self) -> bool:
+        """Token trees are verified by the coupled tree verify: the output is the target's whatever is drafted."""
+        return bool(self.config.tree_nodes)
+
+    def wanted(self, request: Request, step: int) -> int:
+        """Chains: the policy's K. Trees: the node budget (the request's `num_tree_nodes` caps it), shrunk in
+        proportion when the policy lowers K; 0 once the request's features fell behind."""
+        k = super().wanted(request, step)
+        n = self.config.tree_nodes
+        if not n or not k:
+            return k
+        n = min(n, request.sampling.num_tree_nodes or n)
+        return max(1, n * k // self.config.num_speculative_tokens)
+
+    @property
+    def program_ks(self) -> tuple[int, ...]:
+        """Trees: one program per gate cut (the head's drafting passes grow with the node count)."""
+        return self.gate_caps if self.config.tree_nodes else super().program_ks
+
+    def depth(self, request: Request, k: int) -> int:
+        """A tree of `k` nodes is at most `eagle_tree_shape`'s levels deep."""
+        if not self.config.tree_nodes:
+            return k
+        return eagle_tree_shape(k, self.config.tree_branching, self.config.num_speculative_tokens)[1]
+
+    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        """Trees: placeholder chains (the program picks each row's tree and rewrites its masks and positions)."""
+        if not self.config.tree_nodes:
+            return None
+        return {s.request.request_id: list(range(s.num_draft)) for s in plan.seqs if s.num_draft}
+
     def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for draft length `K` (`engine.speculative.make_eagle_step`)."""
+        """The jitted step for draft length `K` (`engine.speculative.make_eagle_step`), or for trees of `K`
+        nodes (`make_eagle_tree_step`)."""
+        if self.config.tree_nodes and K:
+            return make_eagle_tree_step(target_graphdef, self.graphdef, attention, K, self.config.tree_branching,
+                                        self.config.num_speculative_tokens)
         return make_eagle_step(target_graphdef, self.graphdef, attention, K)
 
 

@@ -210,6 +210,157 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
     return step
 
 
+def eagle_tree_shape(K: int, branching: int, max_depth: int) -> tuple[int, int]:
+    """(top-k per expanded node, candidate levels) of an EAGLE-2 tree program of `K` nodes: each level's
+    `branching` best nodes (fewer if K is smaller) are expanded while their window fits in K slots, at most
+    `max_depth` levels deep."""
+    k = min(branching, K)
+    return k, min(max_depth, K, 1 + K // k)
+
+
+def _ancestor_bits(parents: jax.Array, base: jax.Array) -> jax.Array:
+    """int32 `[S, N]` tree masks (`pallas_kernels.reference.tree_visible`) of window nodes with `parents`
+    int32 `[S, N]` (node 0 the root, -1; a parent precedes its child), the root being step token `base` `[S]`
+    of its row: each node sees the row's tokens before the root and its own ancestors."""
+    S, N = parents.shape
+    one = jnp.int32(1)
+    masks = [jnp.left_shift(one, base + 1) - 1]
+    for i in range(1, N):
+        above = jnp.take_along_axis(jnp.stack(masks, axis=1), jnp.clip(parents[:, i:i + 1], 0, i - 1), axis=1)[:, 0]
+        masks.append(jnp.left_shift(one, base + i) | above)
+    return jnp.stack(masks, axis=1)
+
+
+@functools.cache
+def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int,
+                         branching: int, max_depth: int):
+    """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an EAGLE
+    head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns;
+    the three pools are donated.
+
+    Each drafting row's tree is grown on the device. The head runs on the root (its last real token) and
+    proposes its top-k children (k = `eagle_tree_shape`); each further level expands the k nodes of highest
+    confidence (the product of the head's probabilities along the path, §4.1) by their top-k children, the
+    head attending to the context and, through tree masks, to each node's ancestors (every pass re-runs the
+    whole expanded window in the row's verify slots, so the kernels' tree masks need no window offset). The
+    row's `num_draft` best candidates by confidence (§4.2's reranking; a node never ranks below its
+    descendants, so the pick is a tree) become its verify window in level order: their tokens, positions
+    (root + depth), parents and tree masks replace the packed placeholders, and the target verifies them with
+    the coupled tree verify as `make_tree_verify_step` does (the output is the target's whatever is drafted).
+    The head's KV and the target's features of every packed token are written as in `make_eagle_step` (a
+    tree node's feature input is its parent's) and the accepted path's KV, head KV and features are moved to
+    consecutive slots. Needs `K` >= 1 (`make_eagle_step(..., 0)` keeps the pools when no row drafts).
+    """
+    k, levels = eagle_tree_shape(K, branching, max_depth)
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+    def step(target_state, head_state, pool: KVPool, head_pool: KVPool, features: FeaturePool, batch: StepBatch,
+             spec: SpecBatch):
+        head = nnx.merge(head_graphdef, head_state)
+        target = nnx.merge(target_graphdef, target_state)
+        last = batch.logits_indices
+        last_pos = batch.positions[last]
+        S, T = last.shape[0], batch.token_ids.shape[0]
+        budget = spec.num_draft  # [S] window slots of each row
+        rows = jnp.arange(S)
+
+        def confidence(h):  # [..., E] -> top-k (log-probabilities, tokens) of the head's distribution
+            return jax.lax.top_k(jax.nn.log_softmax(head.logits(h.reshape(-1, h.shape[-1])), axis=-1), k)
+
+        single = _single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last], budget > 0)
+        prev = _features_before(features, batch.block_tables, rows, last_pos)
+        h, head_pool = head(single.token_ids, prev, single.positions, paged_attend(single, attention), head_pool)
+        score, tok = confidence(h)  # [S, k]: level 1, all of them expanded next
+        # Candidates in level order: token, confidence, parent candidate (-1: the root), depth.
+        c_tok, c_score, c_parent, c_depth = [tok], [score], [jnp.full((S, k), -1, jnp.int32)], [1]
+        front = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (S, k))  # candidate index of each frontier node
+        front_h = jnp.broadcast_to(h[:, None], (S, k, h.shape[-1]))  # its feature input: its parent's output
+        w_tok, w_feat, w_mask, w_depth = [], [], [], []  # the expanded window, in the rows' verify slots
+        w_parent = jnp.full((S, k), -1, jnp.int32)  # window index of each frontier node's parent (-1: root)
+        for level in range(1, levels):
+            n0 = (level - 1) * k  # window index of this frontier's first node
+            all_tok, all_score = jnp.concatenate(c_tok, 1), jnp.concatenate(c_score, 1)
+            w_tok.append(jnp.take_along_axis(all_tok, front, 1))
+            w_feat.append(front_h)
+            w_depth += [level] * k
+            above = jnp.take_along_axis(jnp.concatenate(w_mask, 1), jnp.maximum(w_parent, 0), 1) if w_mask else 0
+            w_mask.append(jnp.left_shift(jnp.int32(1), n0 + jnp.arange(k, dtype=jnp.int32))[None]
+                          | jnp.where(w_parent >= 0, above, 0))
+            W = n0 + k
+            q_len = jnp.minimum(budget, W)  # a row expands only the nodes its slots hold
+            start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(q_len)]).astype(jnp.int32)
+            j = jnp.arange(W, dtype=jnp.int32)
+            live = j[None] < q_len[:, None]  # [S, W]
+            dest = jnp.where(live, start[:-1, None] + j[None], S * W).reshape(-1)
+            packed_index = jnp.minimum(last[:, None] + 1 + j[None], T - 1)
+            window = StepBatch(
+                token_ids=jnp.zeros(S * W, jnp.int32).at[dest].set(jnp.concatenate(w_tok, 1).reshape(-1), mode="drop"),
+                positions=jnp.zeros(S * W, jnp.int32).at[dest].set(
+                    (last_pos[:, None] + jnp.asarray(w_depth, jnp.int32)[None]).reshape(-1), mode="drop"),
+                slot_mapping=jnp.zeros(S * W, jnp.int32).at[dest].set(
+                    jnp.where(live, batch.slot_mapping[packed_index], 0).reshape(-1), mode="drop"),
+                query_start_loc=start, seq_lens=jnp.where(q_len > 0, last_pos + 1 + q_len, 0),
+                block_tables=batch.block_tables, logits_indices=last, temperature=batch.temperature,
+                top_k=batch.top_k, top_p=batch.top_p, min_p=batch.min_p, seeds=batch.seeds,
+                want_logprobs=batch.want_logprobs)
+            masks = jnp.zeros(S * W, jnp.int32).at[dest].set(jnp.concatenate(w_mask, 1).reshape(-1), mode="drop")
+            feats = jnp.zeros((S * W, h.shape[-1]), h.dtype).at[dest].set(
+                jnp.concatenate(w_feat, 1).reshape(S * W, -1), mode="drop")
+            hw, head_pool = head(window.token_ids, feats, window.positions, paged_attend(window, attention, masks),
+                                 head_pool)
+            new_h = hw[jnp.clip(start[:-1, None] + n0 + jnp.arange(k)[None], 0, S * W - 1)]  # [S, k, E]
+            s2, t2 = confidence(new_h)
+            expanded = (n0 + jnp.arange(k))[None] < budget[:, None]  # [S, k]
+            parent_score = jnp.take_along_axis(all_score, front, 1)
+            s2 = jnp.where(expanded[..., None], parent_score[..., None] + s2.reshape(S, k, k), -jnp.inf)
+            offset = sum(c.shape[1] for c in c_tok)
+            c_tok.append(t2.reshape(S, k * k))
+            c_score.append(s2.reshape(S, k * k))
+            c_parent.append(jnp.repeat(front, k, axis=1))
+            c_depth.append(level + 1)
+            best = jax.lax.top_k(s2.reshape(S, k * k), k)[1]  # the next frontier, among this level's children
+            front_h = jnp.take_along_axis(new_h, (best // k)[..., None], 1)
+            w_parent = n0 + best // k
+            front = offset + best
+        # Rerank every candidate; take each row's num_draft best (ties go to the earlier candidate: a parent).
+        score = jnp.concatenate(c_score, 1)  # [S, C]
+        C = score.shape[1]
+        depth = jnp.concatenate([jnp.full((S, c.shape[1]), d, jnp.int32) for c, d in zip(c_tok, c_depth)], 1)
+        rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
+        take = (rank < budget[:, None]) & jnp.isfinite(score)
+        num_draft = jnp.sum(take, axis=1).astype(jnp.int32)
+        node = jnp.where(take, jnp.cumsum(take, axis=1) - 1, K)  # window node (minus 1) of each candidate
+        parent_cand = jnp.concatenate(c_parent, 1)
+        parent_node = jnp.where(parent_cand < 0, 0,
+                                1 + jnp.take_along_axis(node, jnp.maximum(parent_cand, 0), 1))
+        scatter = lambda values, fill: jnp.full((S, K + 1), fill, jnp.int32).at[rows[:, None], node].set(
+            values, mode="drop")  # candidates -> window nodes 0..K-1
+        n_tok, n_parent, n_depth = scatter(jnp.concatenate(c_tok, 1), 0), scatter(parent_node, 0), scatter(depth, 1)
+        parents = jnp.concatenate([jnp.full((S, 1), -1, jnp.int32), n_parent[:, :K]], 1)
+        base = last - batch.query_start_loc[:-1]
+        slots = last[:, None] + jnp.arange(K + 1)[None]  # packed index of the root and window nodes
+        is_node = (jnp.arange(K + 1)[None] <= num_draft[:, None]) & (budget > 0)[:, None]
+        at = jnp.where(is_node, slots, T)
+        token_ids = batch.token_ids.at[at[:, 1:]].set(n_tok[:, :K], mode="drop")
+        positions = batch.positions.at[at[:, 1:]].set(last_pos[:, None] + n_depth[:, :K], mode="drop")
+        tree_mask = spec.tree_mask.at[at].set(_ancestor_bits(parents, base), mode="drop")
+        batch = batch.replace(token_ids=token_ids, positions=positions)
+        spec = spec.replace(num_draft=jnp.where(budget > 0, num_draft, 0),
+                            parents=jnp.where((budget > 0)[:, None], parents, spec.parents), tree_mask=tree_mask)
+        sampled, num_emitted, pool, hidden, move = _tree_verify(target, pool, batch, spec, token_ids, K, attention)
+        B = features.f.shape[2]
+        f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
+        token_rows = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(T), side="right") - 1, 0, S - 1)
+        prev = _features_before(FeaturePool(f), batch.block_tables, token_rows, batch.positions)
+        # A tree node's feature input is its parent's hidden state, not the one at the slot before it.
+        parent_at = jnp.where(is_node[:, 1:], last[:, None] + parents[:, 1:], 0)
+        prev = prev.at[at[:, 1:]].set(hidden[parent_at].astype(prev.dtype), mode="drop")
+        _, head_pool = head(token_ids, prev, batch.positions, paged_attend(batch, attention, tree_mask), head_pool)
+        return sampled, num_emitted, pool, KVPool(move(head_pool.k), move(head_pool.v)), FeaturePool(move(f))
+
+    return step
+
+
 def _place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, V: int):
     """The packed tokens with the draft tokens (K lists of `[S]`) in their placeholders, the draft tokens
     `[S, K]` and their distributions `[S, K, V]` (K = 0: the batch's tokens and empty arrays)."""

@@ -43,6 +43,7 @@ def _head(target, noise=0.0, feature_mix=0.0, seed=1):
 
 
 EAGLE = SpeculationConfig(3, min_acceptance=0.0, method="eagle")
+TREES = dataclasses.replace(EAGLE, tree_nodes=8, tree_branching=3)  # EAGLE-2: 3 + 9 + 9 candidates, 8 verified
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,46 @@ def test_a_head_equal_to_the_target_accepts_every_draft_token(target, plain):
     assert same.stats.position_acceptance == [1.0, 1.0, 1.0]
 
 
+def test_a_head_equal_to_the_target_accepts_every_node_of_a_branchless_tree(target, plain):
+    """EAGLE-2 trees with branching 1 expand one node per level: each level's head pass re-runs the window
+    with tree masks, so an exact head accepts every level; with branching 2 the head's top child of the root
+    is always verified (and accepted)."""
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
+    for branching, acceptance in ((1, [1.0, 1.0, 1.0]), (2, [1.0])):
+        same = Engine(target, CFG, draft=_head(target),
+                      speculation=dataclasses.replace(TREES, tree_nodes=3, tree_branching=branching))
+        assert [o.token_ids for o in _run(same, PROMPTS, greedy)] == want
+        assert same.stats.position_acceptance[:len(acceptance)] == acceptance
+
+
+def test_tree_shape():
+    from engine.speculative import eagle_tree_shape
+
+    # (top-k, levels): expanded nodes (levels - 1) x top-k fit in the K window slots; depth <= K and the cap
+    assert [eagle_tree_shape(K, 4, 4) for K in (1, 3, 7, 8, 15, 31)] == [(1, 1), (3, 2), (4, 2), (4, 3), (4, 4),
+                                                                         (4, 4)]
+    assert eagle_tree_shape(8, 1, 16) == (1, 8)
+
+
+def test_trees_greedy_and_seeded_output_equal_target_alone(target, head, plain):
+    """EAGLE-2 trees with chunked prefill and the prefix cache: greedy output and seeded sampled output equal the
+    target alone's (the coupled tree verify), both verify outcomes happen, every block comes back."""
+    trees = Engine(target, CFG, draft=head, speculation=TREES)
+    greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
+    for _ in range(2):
+        outs = _run(trees, PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == want
+    assert 0 < sum(o.num_accepted_tokens for o in outs) < sum(o.num_draft_tokens for o in outs)
+    params = [SamplingParams(temperature=t, top_p=top_p, seed=seed, max_tokens=20, ignore_eos=True)
+              for seed, (t, top_p) in enumerate([(0.05, 1.0), (0.2, 0.9), (1.0, 1.0), (0.1, 1.0), (0.3, 0.95)])]
+    got = _run(trees, PROMPTS[:5], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in _run(plain, PROMPTS[:5], params)]
+    assert sum(o.num_accepted_tokens for o in got) > 0
+    assert trees.blocks.num_free_blocks == trees.blocks.num_usable_blocks
+
+
 def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(plain, eagle):
     greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
     want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
@@ -104,10 +145,14 @@ def test_greedy_equals_target_alone_under_preemption(target, swap):
         assert all(o.acceptance_rate == 1.0 for o in outs)
 
 
-def test_pools_hold_the_target_features_and_the_head_kv_of_every_position(target, head, eagle):
+@pytest.mark.parametrize("trees", [False, True], ids=["chain", "tree"])
+def test_pools_hold_the_target_features_and_the_head_kv_of_every_position(target, head, eagle, trees):
     """Mid-generation, after verifies that rejected draft tokens: at every position the target has run,
     the feature pool holds the target's hidden state and the head's KV pool the K/V of a fresh head pass
-    over (target feature before, token) pairs."""
+    over (target feature before, token) pairs. With trees, that takes the accepted paths' features and head
+    KV moved to consecutive slots, and each node's head KV computed from its parent's feature."""
+    if trees:
+        eagle = Engine(target, CFG, draft=head, speculation=TREES)
     sp = SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
     request = eagle.add_request(PROMPTS[4], sp)
     for _ in range(8):
@@ -171,8 +216,9 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
         assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
 
 
-def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, plain):
-    same = Engine(target, CFG, draft=_head(target), speculation=EAGLE)
+@pytest.mark.parametrize("speculation", [EAGLE, TREES], ids=["chain", "tree"])
+def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, plain, speculation):
+    same = Engine(target, CFG, draft=_head(target), speculation=speculation)
     prompt = PROMPTS[3]
     free = _run(plain, [prompt], [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)])[0]
     cases = [

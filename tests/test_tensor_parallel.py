@@ -67,11 +67,12 @@ def test_logits_and_greedy_tokens_equal_one_device():
             ref = np.asarray(dense(base, ids))
             loaded = LoadedModel(cfg, params, load_model("tiny-llama").tokenizer)
             prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2)]
-            tokens = {}
             for tp in (1, 2, 4):
                 sharded = Llama(cfg, params=params, mesh=tensor_parallel_mesh(tp))
                 out[f"{name} tp{tp} logits"] = float(np.abs(np.asarray(dense(sharded, ids)) - ref).max())
-                for spec, draft in ((None, None), ("draft", loaded)):  # n-gram: in the real model's test
+                # draft speculation at the widest split only; n-gram: in the real model's test
+                runs = [(None, None)] + ([("draft", loaded)] if tp == 4 else [])
+                for spec, draft in runs:
                     llm = LLM(loaded, speculative=spec, draft_model=draft, tensor_parallel_size=tp, num_blocks=64,
                               max_num_batched_tokens=32, max_num_seqs=4)
                     got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))]
@@ -81,8 +82,8 @@ def test_logits_and_greedy_tokens_equal_one_device():
     for name in ("tiny-llama", "tiny-qwen2"):
         for tp in (2, 4):
             assert result[f"{name} tp{tp} logits"] < 1e-5, (name, tp)
-            for spec in ("None", "draft"):
-                assert result[f"{name} tp{tp} {spec} tokens"] == result[f"{name} tp1 None tokens"], (name, tp, spec)
+        for key in (f"{name} tp2 None tokens", f"{name} tp4 None tokens", f"{name} tp4 draft tokens"):
+            assert result[key] == result[f"{name} tp1 None tokens"], key
         assert all(len(t) == 10 for t in result[f"{name} tp1 None tokens"])
 
 
