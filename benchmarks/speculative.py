@@ -1,8 +1,10 @@
-"""Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the EAGLE head, a draft
-model, n-gram lookup (chains, and token trees: "ngram-tree").
+"""Speculative decoding on the real model (fp32, CPU) by prompt domain and proposer: the EAGLE head, Medusa
+heads, a draft model, n-gram lookup (chains, and token trees: "ngram-tree", "medusa-tree", "eagle-tree" =
+EAGLE-2 dynamic trees).
 
   python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
-      [--max_tokens=64] [--proposers=eagle,draft,ngram,ngram-tree] [--tree_nodes=12] [--temperature=0]
+      [--max_tokens=64] [--proposers=eagle,draft,ngram,ngram-tree,eagle-tree] [--tree_nodes=12]
+      [--tree_branching=4] [--temperature=0]
 
 For each domain, proposer, batch size B and K: B real prompts (chat template, greedy or
 seeded sampling at --temperature, `ignore_eos`) decode together. Decode steps are timed from the second step
@@ -61,9 +63,10 @@ flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups o
                      "another, and reports the mean of their figures (batch 1 with one prompt is one sample).")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
 flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `speculative` kinds; ngram-tree / "
-                  "medusa-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each head's top "
-                  "token).")
-flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree / medusa-tree proposal.")
+                  "medusa-tree / eagle-tree: token trees of --tree_nodes nodes, K deep; medusa: the chain of each "
+                  "head's top token).")
+flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree / medusa-tree / eagle-tree proposal.")
+flags.DEFINE_integer("tree_branching", 4, "eagle-tree: children per expanded node, nodes expanded per level.")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's / head's weights in the CPU kernel (default: their dtype).")
@@ -181,7 +184,7 @@ def main(argv):
     elif "draft" in FLAGS.proposers:
         draft = load_draft(FLAGS.draft or DEFAULT_DRAFT, target)
     heads = {"draft": draft, "eagle": load_draft(FLAGS.eagle_head or DEFAULT_EAGLE, target)
-             if "eagle" in FLAGS.proposers else None,
+             if any("eagle" in p for p in FLAGS.proposers) else None,
              "medusa": load_draft(DEFAULT_MEDUSA, target) if any("medusa" in p for p in FLAGS.proposers) else None}
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
@@ -201,9 +204,10 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
-        if name in ("ngram-tree", "medusa-tree"):
+        if name in ("ngram-tree", "medusa-tree", "eagle-tree"):
             kind = name.split("-")[0]
-            return LLM(target, speculative=kind, draft_model=heads.get(kind), num_tree_nodes=FLAGS.tree_nodes, **kw)
+            return LLM(target, speculative=kind, draft_model=heads.get(kind), num_tree_nodes=FLAGS.tree_nodes,
+                       tree_branching=FLAGS.tree_branching, **kw)
         return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                    **kw)
 

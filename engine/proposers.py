@@ -12,8 +12,9 @@ drawn from, so the output follows the target's distribution exactly:
   the step program (`engine.speculative.make_spec_step`); its KV pool sits
   beside the target's in the runner, indexed by the same block tables.
 - `EagleProposer`: an EAGLE head on the target's features (Li et al. 2024),
-  on the device (`engine.speculative.make_eagle_step`); its KV pool and the
-  target's features per KV slot sit beside the target's pool.
+  on the device (`engine.speculative.make_eagle_step`; EAGLE-2 dynamic token
+  trees: `make_eagle_tree_step`); its KV pool and the target's features per
+  KV slot sit beside the target's pool.
 - `MedusaProposer`: Medusa heads on the target's last hidden state (Cai et
   al. 2024) fill a static token tree inside the step program
   (`engine.speculative.make_medusa_step`), verified by the coupled tree verify.
@@ -329,11 +330,15 @@ class EagleProposer(DraftModelProposer):
     The head's own KV and the target's final hidden state at every KV slot
     (`engine.speculative.FeaturePool`) are kept beside the target's pool; a
     step that runs without the head leaves them behind for its requests,
-    which then stop drafting (as with a draft model).
+    which then stop drafting (as with a draft model). With `config.tree_nodes`
+    the head drafts EAGLE-2 dynamic trees of up to that many nodes, `tree_branching`
+    wide and at most K deep, verified by the coupled tree verify
+    (`engine.speculative.make_eagle_tree_step`), so the output is the target's
+    whatever is drafted (`output_independent`).
 
     Args:
       head: a `checkpoints.LoadedModel` whose params hold `model.eagle.FC` (`checkpoints.draft.load_draft`).
-      config: K and the adaptive-speculation settings.
+      config: K, the trees and the adaptive-speculation settings.
       target_config: the target's `ModelConfig`.
       engine_config: the engine's config (the CPU kernel settings).
     Raises:

@@ -45,6 +45,8 @@ kept per KV slot in a `FeaturePool` beside the KV pools (`make_eagle_step`):
 So every position the target has accepted has head KV made from target
 features (Li et al. 2024, EAGLE §4.2, where the draft is rerun on the
 accepted tokens), and draft token 1 of the next step needs one head pass.
+With token trees the head grows each row's tree instead (EAGLE-2,
+`make_eagle_tree_step`) and the target verifies it as a host proposer's tree.
 """
 
 from __future__ import annotations
@@ -323,8 +325,7 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
             w_parent = n0 + best // k
             front = offset + best
         # Rerank every candidate; take each row's num_draft best (ties go to the earlier candidate: a parent).
-        score = jnp.concatenate(c_score, 1)  # [S, C]
-        C = score.shape[1]
+        score = jnp.concatenate(c_score, 1)  # [S, candidates]
         depth = jnp.concatenate([jnp.full((S, c.shape[1]), d, jnp.int32) for c, d in zip(c_tok, c_depth)], 1)
         rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
         take = (rank < budget[:, None]) & jnp.isfinite(score)

@@ -1,13 +1,25 @@
-"""Frees each test module's compiled programs when it ends.
+"""Frees each test module's compiled programs when it ends; one persistent compilation cache for the session.
 
 Every XLA:CPU executable holds dozens of memory mappings; the whole suite keeps
 thousands of programs, which exceeded the kernel's limit (`vm.max_map_count`,
-65530) and crashed XLA mid-suite (abort or segfault in compilation).
+65530) and crashed XLA mid-suite (abort or segfault in compilation). A program
+that a later module (or a subprocess: the command-line, tensor-parallel and
+distributed tests) needs again then loads from the session's compilation cache
+instead of compiling (a real-model step program compiles in seconds).
 """
 
+import atexit
 import gc
+import os
+import shutil
+import tempfile
 
 import jax
+
+_CACHE = tempfile.mkdtemp(prefix="jax-compilation-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE  # inherited by the tests' subprocesses
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 import pytest
 
 from engine.speculative import make_spec_step

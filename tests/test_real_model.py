@@ -74,19 +74,19 @@ def test_prompt_over_the_context_limit_is_rejected(llm):
 def test_pallas_kernel_greedy_equals_reference(plain_tokens):
     """The Pallas kernel (interpret mode on CPU) gives the greedy tokens of the default attention."""
     kernel = LLM(attention="pallas", max_num_seqs=4, max_num_batched_tokens=64, num_blocks=64)
-    prompts = _chat_prompts(3)  # longer than the 64-token budget: chunked prefill over the kernel too
+    prompts = _chat_prompts(2)  # longer than the 64-token budget: chunked prefill over the kernel too
     sp = SamplingParams(temperature=0, max_tokens=8)
-    assert [o.token_ids for o in kernel.generate(prompts, sp)] == [t[:8] for t in plain_tokens[:3]]
+    assert [o.token_ids for o in kernel.generate(prompts, sp)] == [t[:8] for t in plain_tokens[:2]]
 
 
 def test_cpu_kernel_greedy_equals_xla_dot(plain_tokens):
-    """XLA's dot one request at a time gives the greedy tokens the native CPU matmul (every decode step and verify
-    window) gives 8 at a time, on 20 real prompts, chunked prefill and the prefix cache on."""
+    """XLA's dot gives the greedy tokens the native CPU matmul (every decode step and verify window) gives, on 20
+    real prompts 8 at a time, chunked prefill and the prefix cache on."""
     import cpu_kernels
 
     if not cpu_kernels.available():
         pytest.skip("the CPU kernel does not run on this machine")
-    xla = LLM(matmul="xla", speculative=None, max_num_seqs=1, max_num_batched_tokens=256)
+    xla = LLM(matmul="xla", speculative=None, max_num_seqs=8, max_num_batched_tokens=256)
     assert xla.engine.runner.packed_bytes == 0
     sp = SamplingParams(temperature=0, max_tokens=16)
     assert [o.token_ids for o in xla.generate(_chat_prompts(20), sp)] == plain_tokens
@@ -114,22 +114,21 @@ def test_ngram_speculation_greedy_equals_plain(llm, plain_tokens, max_num_seqs, 
     assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("max_num_seqs,tree_nodes", [(8, 0), (1, 12), (8, 12)])
-def test_eagle_speculation_greedy_equals_plain(plain_tokens, max_num_seqs, tree_nodes):
-    """The bundled EAGLE head keeps greedy output on 20 real prompts, in chains and in EAGLE-2 dynamic trees of
-    12 nodes, one at a time and 8 at a time, chunked prefill (a 64-token budget) and the prefix cache on (the
-    prompts share the chat template's prefix). Never switched off here, its first draft token is accepted over
-    a tenth of the time in chains (the trained head: 0.22 in the benchmark on held-out chat; its untrained start
-    accepts almost none) and over a quarter of the time in trees (their first level holds the head's top 4)."""
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_eagle_trees_greedy_equal_plain(plain_tokens, max_num_seqs):
+    """The bundled EAGLE head's EAGLE-2 dynamic trees of 12 nodes keep greedy output on 20 real prompts, one at a
+    time and 8 at a time, chunked prefill (a 64-token budget) and the prefix cache on (the prompts share the chat
+    template's prefix). Never switched off here, the first tree level (the head's top 4) holds the target's
+    token over a quarter of the time (0.42 on these prompts; a chain's single guess: 0.27). EAGLE chains on the
+    real model: tests/test_tensor_parallel.py (and every chain test on the tiny models)."""
     prompts = _chat_prompts(20)
     sp = SamplingParams(temperature=0, max_tokens=16)
-    eagle = LLM(speculative="eagle", num_tree_nodes=tree_nodes, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
+    eagle = LLM(speculative="eagle", num_tree_nodes=12, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
     assert eagle.engine.proposer.kind == "eagle"
     eagle.engine.proposer.config.min_acceptance = 0.0
     outs = eagle.generate(prompts, sp)
     assert [o.token_ids for o in outs] == plain_tokens
-    first = eagle.engine.stats.position_acceptance[0]
-    assert first > (0.25 if tree_nodes else 0.1), eagle.engine.stats.position_acceptance
+    assert eagle.engine.stats.position_acceptance[0] > 0.25, eagle.engine.stats.position_acceptance
     assert eagle.engine.scheduler.num_hit_tokens > 0
 
 

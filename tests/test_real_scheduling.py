@@ -105,7 +105,7 @@ def test_speculative_greedy_equals_alone(model, prompts, alone, early_exit, batc
     # Exactness on the real model: an untrained early-exit draft (the target's first 4 layers) agrees
     # on some tokens and not others, so verify both accepts and rejects. Chunked prefill (32-token
     # budget) and prefix caching on; adaptation off so every decode step speculates.
-    n = 24 if batch > 1 else 20
+    n = 16 if batch > 1 else 20
     llm = LLM(model, speculative="draft", draft_model=early_exit, num_speculative_tokens=3, max_num_seqs=batch,
               max_num_batched_tokens=32, num_blocks=POOL)
     llm.engine.proposer.config.min_acceptance = 0.0

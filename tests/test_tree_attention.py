@@ -82,7 +82,7 @@ def tree_rows(draw):
     return [rows[i] for i in order], draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(tree_rows())
 def test_tree_kernels_equal_reference_and_reference_equals_oracle(case):
     """Random trees (depths 1..8, widths 1..4, up to 32 nodes, after 0..70 cached tokens) beside prefill chunks
