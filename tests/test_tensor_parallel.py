@@ -72,12 +72,14 @@ def test_logits_and_greedy_tokens_equal_one_device():
                 out[f"{name} tp{tp} logits"] = float(np.abs(np.asarray(dense(sharded, ids)) - ref).max())
                 if tp == 2:
                     continue  # logits only; engines at the widest split (KV heads replicated)
-                # draft speculation with the target split 4 ways; n-gram and EAGLE: in the real model's test
+                # draft speculation with the target split 4 ways; EAGLE: in the real model's test. n-gram verifies
+                # the same way (only its proposals come from the host).
                 for spec, draft in [(None, None)] + ([("draft", loaded)] if tp == 4 else []):
                     llm = LLM(loaded, speculative=spec, draft_model=draft, tensor_parallel_size=tp, num_blocks=64,
                               max_num_batched_tokens=32, max_num_seqs=4)
-                    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))]
-                    out[f"{name} tp{tp} {spec} tokens"] = got
+                    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+                    out[f"{name} tp{tp} {spec} tokens"] = [o.token_ids for o in outs]
+                    out[f"{name} tp{tp} {spec} accepted"] = sum(o.num_accepted_tokens for o in outs)
         print(json.dumps(out))
     """, devices=4)
     for name in ("tiny-llama", "tiny-qwen2"):
@@ -85,6 +87,7 @@ def test_logits_and_greedy_tokens_equal_one_device():
             assert result[f"{name} tp{tp} logits"] < 1e-5, (name, tp)
         for key in (f"{name} tp4 None tokens", f"{name} tp4 draft tokens"):
             assert result[key] == result[f"{name} tp1 None tokens"], key
+        assert result[f"{name} tp4 draft accepted"] > 0, result
         assert all(len(t) == 10 for t in result[f"{name} tp1 None tokens"])
 
 
@@ -171,7 +174,7 @@ def test_real_model_greedy_output_equal_over_three_devices():
         prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
         out = {}
         # exact speculation: greedy output with a proposer (drafting every step) equals the target alone's
-        for spec, tp in ((None, 1), (None, 3), ("ngram", 3), ("eagle", 3)):
+        for spec, tp in ((None, 1), (None, 3), ("eagle", 3)):
             llm = LLM(loaded, speculative=spec, draft_model=eagle if spec == "eagle" else None,
                       tensor_parallel_size=tp, max_num_seqs=8, num_blocks=256)
             if spec:
@@ -181,9 +184,9 @@ def test_real_model_greedy_output_equal_over_three_devices():
             out[f"{spec} {tp} accepted"] = sum(o.num_accepted_tokens for o in outs)
         print(json.dumps(out))
     """, devices=3, PROMPTS=_chat_prompts(10))
-    for spec in ("None", "ngram", "eagle"):
+    for spec in ("None", "eagle"):
         assert result[f"{spec} 3"] == result["None 1"], spec
-    assert result["eagle 3 accepted"] > 0 and result["ngram 3 accepted"] > 0
+    assert result["eagle 3 accepted"] > 0
     assert len(result["None 1"]) == 10 and all(len(t) == 16 for t in result["None 1"])
 
 
