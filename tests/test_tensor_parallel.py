@@ -72,8 +72,8 @@ def test_logits_and_greedy_tokens_equal_one_device():
                 out[f"{name} tp{tp} logits"] = float(np.abs(np.asarray(dense(sharded, ids)) - ref).max())
                 if tp == 2:
                     continue  # logits only; engines at the widest split (KV heads replicated)
-                # draft speculation with the target split 4 ways; EAGLE: in the real model's test. n-gram verifies
-                # the same way (only its proposals come from the host).
+                # draft speculation with the target split 4 ways; EAGLE: in the real model's test. n-gram's program
+                # runs the same sharded target pass (`_target_verify`) on proposals from the host.
                 for spec, draft in [(None, None)] + ([("draft", loaded)] if tp == 4 else []):
                     llm = LLM(loaded, speculative=spec, draft_model=draft, tensor_parallel_size=tp, num_blocks=64,
                               max_num_batched_tokens=32, max_num_seqs=4)
