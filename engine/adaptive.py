@@ -114,8 +114,9 @@ class AdaptiveSpeculation:
     in TCP's retransmission timer). A request at 0 stays off (its draft KV
     is no longer kept up to date).
 
-    An unseeded request drafts min(class K, own K). A seeded request drafts
-    its own K only, so its output depends on its own history alone.
+    A request drafts min(class K, own K), except a `seeded` one (a seeded
+    sampled request whose output depends on its draft lengths): it drafts its
+    own K only, so its output depends on its own history alone.
     """
 
     def __init__(self, config: SpeculationConfig):

@@ -26,7 +26,10 @@ Each step, before scheduling, `begin_step` runs the cost gate: from the
 measured seconds of every step shape (`StepCosts`) and each request class's
 acceptance rate, it picks the draft lengths that give the most expected
 tokens per second for this batch, which is no drafting where speculation
-does not pay (a large batch, a class that rarely accepts).
+does not pay (a large batch, a class that rarely accepts); once it has held a
+request class at no drafts for `HOLD_STEPS` steps in a row, the class's
+requests stop keeping their draft state, so a device proposer's steps then
+cost what the target's alone do.
 
 Sources: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling and the
 per-token acceptance rate alpha; Saxena 2023, *Prompt Lookup Decoding*, and
@@ -51,6 +54,12 @@ from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
 
 
+# When the cost gate gives a request class no drafts this many steps in a row, its requests stop keeping their
+# draft state (`release`) until a step drafts for the class again; a request arriving then is held once, and
+# released, unless the gate drafts for it.
+HOLD_STEPS = 16
+
+
 class Proposer:
     """What the engine loop needs from any proposer; the adaptive policy and the cost gate are shared.
 
@@ -68,11 +77,13 @@ class Proposer:
     context; an unmeasured shape is priced as the plain step plus the cost difference
     of the cheapest measured steps of the two token buckets, such as prefill
     chunks, or else as a plain step, so it is tried).
-    Seeded requests skip the gate (their draft lengths, and so their outputs,
-    never depend on their batch mates), unless the proposer's verify makes the
-    output independent of the draft lengths anyway (`output_independent`:
-    n-gram). `min_acceptance = 0` turns adaptation off: every decode drafts
-    what `wanted` allows.
+    Seeded sampled requests skip the gate (their draft lengths, and so their
+    outputs, never depend on their batch mates), unless the proposer's verify
+    makes the output independent of the draft lengths anyway
+    (`output_independent`: n-gram, token trees); greedy requests never skip it
+    (their output is the target's argmax whatever is drafted).
+    `min_acceptance = 0` turns adaptation off: every decode drafts what
+    `wanted` allows.
     """
 
     kind = ""
@@ -89,6 +100,7 @@ class Proposer:
         self.costs: StepCosts | None = None  # set by the engine; None: no gate
         self._acceptance: dict = {}  # acceptance_key -> _Acceptance, alpha's estimate
         self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
+        self._held: dict[str, int] = {}  # request class -> steps in a row the gate gave it no drafts
 
     def validate(self, sampling) -> None:
         """Raises InvalidRequestError if a request (`SamplingParams`) asks for more draft tokens or tree nodes
@@ -104,7 +116,7 @@ class Proposer:
 
     def policy_k(self, request: Request, step: int) -> int:
         return self.policy.k_for(request.request_id, request.request_class, request.sampling.num_speculative_tokens,
-                                 step, seeded=request.sampling.seed is not None)
+                                 step, seeded=self._draft_dependent(request))
 
     def wanted(self, request: Request, step: int) -> int:
         """The draft length the policy allows `request` at engine step `step`, before the cost gate."""
@@ -157,8 +169,19 @@ class Proposer:
                 if rate > best:
                     best, choice = rate, (cap, m)
         cap, m = choice
+        drafted: dict[str, int] = {}
         for i, (_, k, r) in enumerate(rows):
-            self._drafts[r.request_id] = min(k, cap) if i < m else 0
+            self._drafts[r.request_id] = d = min(k, cap) if i < m else 0
+            drafted[r.request_class] = drafted.get(r.request_class, 0) + d
+        for c, d in drafted.items():
+            self._held[c] = 0 if d else self._held.get(c, 0) + 1
+        for _, _, r in rows:
+            if self._held[r.request_class] >= HOLD_STEPS:
+                self.release(r)
+
+    def release(self, request: Request) -> None:
+        """The gate has held `request`'s class at no drafts for `HOLD_STEPS` steps in a row: stop keeping
+        `request`'s draft state (a host proposer keeps none)."""
 
     @staticmethod
     def _extra_pairs(request: Request, k: int) -> int:
@@ -166,9 +189,16 @@ class Proposer:
         start = request.num_computed_tokens
         return attention_pairs(start, 1 + k) - attention_pairs(start, 1)
 
+    def _draft_dependent(self, request: Request) -> bool:
+        """Whether `request`'s output depends on its draft lengths: seeded sampling, unless the proposer's
+        verify makes it independent (greedy output is the target's argmax whatever is drafted)."""
+        s = request.sampling
+        return s.seed is not None and s.temperature > 0 and not self.output_independent
+
     def _outside_gate(self, request: Request) -> bool:
-        """A seeded request keeps the policy's draft length, unless drafting cannot change its output."""
-        return request.sampling.seed is not None and not self.output_independent
+        """A request whose output depends on its draft lengths keeps the policy's, so that its output never
+        depends on its batch mates."""
+        return self._draft_dependent(request)
 
     def _cost(self, B: int, drafted: int, top: int, work: int, plain_at: tuple[float, int],
               base: int | None) -> float:
@@ -286,12 +316,17 @@ class DraftModelProposer(Proposer):
             return 0
         return self.policy_k(request, step)
 
+    def release(self, request: Request) -> None:
+        """Keeping the draft KV costs a draft pass over every step token: a request the gate keeps holding
+        drops it and never drafts again."""
+        self._behind.add(request.request_id)
+
     def step_k(self, plan: StepPlan, step: int) -> int | None:
         """None (target only), 0 (the draft keeps its KV), or a ladder K >= every draft (`program_ks`).
 
-        When no request in the step will speculate (the gate's choice for this step aside), the draft
-        is skipped: speculation that was switched off then costs nothing, and those requests' draft
-        KV falls behind for good. Their
+        When no request in the step will speculate (the gate's choice for this step aside: the policy
+        switched them off, or the gate released them), the draft is skipped: speculation that does not
+        pay then costs nothing, and those requests' draft KV falls behind for good. Their
         blocks hold no draft KV either, so a later request that reuses them through the prefix
         cache drafts from an incomplete context: fewer tokens accepted, the output unchanged.
         """

@@ -169,6 +169,11 @@ def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
     p.costs.observe(4, 1, 2, 0.500)
     p.begin_step([seeded], 1)
     assert p.draft_len(seeded, 1) == 2
+    # A greedy request's output is the target's argmax whatever is drafted: seeded or not, the gate chooses.
+    greedy = Request([1, 2, 3], SamplingParams(temperature=0.0, seed=5), request_id="g")
+    p.want["g"] = 2
+    p.begin_step([greedy], 2)
+    assert p.wanted(greedy, 2) == 2 and p.draft_len(greedy, 2) == 0
     raw = _Fixed(SpeculationConfig(2, min_acceptance=0.0), {"r0": 2})
     raw.costs.observe(1, 1, None, 0.020)
     raw.costs.observe(4, 1, 2, 0.500)

@@ -132,6 +132,37 @@ def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(plain, eagle):
     assert all(0 < r < 1 for r in rates), rates  # both outcomes of the verify happen
 
 
+def test_a_request_the_gate_keeps_holding_stops_keeping_the_heads_state(target, head, plain):
+    """With every verify priced far above a plain step, the cost gate gives no drafts; after `HOLD_STEPS` such
+    steps the request's class is released and its steps run the target alone (no head pass), output
+    unchanged."""
+    from engine.proposers import HOLD_STEPS
+
+    gated = Engine(target, CFG, draft=head, speculation=SpeculationConfig(3, method="eagle"))
+    assert gated.proposer.config.min_acceptance > 0  # the gate is on
+    runner = gated.runner
+    for T in runner.token_buckets:
+        for S in runner.seq_buckets:
+            for K in (1, 2, 3):
+                gated.proposer.costs.observe(T, S, K, 10.0)
+    ks = []
+    gated.on_step = lambda timing: ks.append(timing.spec_k)
+    sp = SamplingParams(temperature=0, max_tokens=HOLD_STEPS + 12, ignore_eos=True)
+    [out] = _run(gated, [PROMPTS[1]], [sp])
+    assert out.token_ids == _run(plain, [PROMPTS[1]], [sp])[0].token_ids
+    assert out.num_draft_tokens == 0 and all(k in (0, None) for k in ks), ks
+    # Prefill and the held steps keep the head's KV (K = 0; the first decode steps measure the plain step and
+    # are not holds); then the target runs alone to the end.
+    first_alone = ks.index(None)
+    assert HOLD_STEPS <= first_alone <= HOLD_STEPS + 3 and set(ks[first_alone:]) == {None}, ks
+    # The class stays held: a request arriving now keeps the head's state only through its prefill (33 tokens,
+    # two chunks); the gate holds its first decode step and releases it there.
+    ks.clear()
+    [again] = _run(gated, [PROMPTS[4]], [sp])
+    assert again.token_ids == _run(plain, [PROMPTS[4]], [sp])[0].token_ids
+    assert ks == [0, 0] + [None] * (len(ks) - 2), ks
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_greedy_equals_target_alone_under_preemption(target, swap):
     """Preempted sequences come back with their features and head KV (swap) or recompute them."""
