@@ -275,7 +275,7 @@ def test_log_softmax_gather_rejects_out_of_range_targets():
 # ---- paged attention ----------------------------------------------------------------------------------
 
 
-@settings(max_examples=35, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=ragged_batches(), D=st.sampled_from([8, 16, 64, 128]))
 def test_paged_attention_equals_reference_inside_jit(case, D):
     """Ragged decode / prefill / verify rows, padded tokens and sequences, GQA 1..8, f32 and bf16 pools: the native
