@@ -141,7 +141,7 @@ class Proposer:
         plain = self.costs.get(*shape, base, plain_work) if shape else None
         if plain is None:  # measure this batch size's plain step first
             for r in decodes:
-                if not self._outside_gate(r):
+                if not self._draft_dependent(r):
                     self._drafts[r.request_id] = 0
             return
         plain_at = (plain, plain_work)
@@ -151,7 +151,7 @@ class Proposer:
             if not k:
                 continue
             a = self.alpha(r)
-            if self._outside_gate(r):
+            if self._draft_dependent(r):
                 fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, self.depth(r, k))
                 work += self._extra_pairs(r, k)
             else:
@@ -191,14 +191,10 @@ class Proposer:
 
     def _draft_dependent(self, request: Request) -> bool:
         """Whether `request`'s output depends on its draft lengths: seeded sampling, unless the proposer's
-        verify makes it independent (greedy output is the target's argmax whatever is drafted)."""
+        verify makes it independent (greedy output is the target's argmax whatever is drafted). Such a request
+        skips the gate and keeps the policy's draft length, so its output never depends on its batch mates."""
         s = request.sampling
         return s.seed is not None and s.temperature > 0 and not self.output_independent
-
-    def _outside_gate(self, request: Request) -> bool:
-        """A request whose output depends on its draft lengths keeps the policy's, so that its output never
-        depends on its batch mates."""
-        return self._draft_dependent(request)
 
     def _cost(self, B: int, drafted: int, top: int, work: int, plain_at: tuple[float, int],
               base: int | None) -> float:
