@@ -12,7 +12,8 @@ Shapes are SmolLM2-135M attention (H=9, K=3, D=64, block size 16, bf16, L=30):
   decode : S=8 sequences x 1 token, KV length 256 each
   prefill: S=1 sequence, 512 new tokens after a 0-token prefix (T=512)
 Native kernel table (CPU, `cpu_kernels.paged_attention`, all 30 layers per call):
-  decode rows at 64 x 256 and 8 x 256 context positions; verify windows of
+  decode rows at 64 x 256 and 8 x 256 context positions over bf16 and float32
+  pools (float32: the real model's, whose dtype the pool takes); verify windows of
   16 tokens after 300 cached positions, 1 and 4 sequences, causal (a chain)
   and with the tree masks of a random 16-node tree (depth <= 5, width <= 4).
 `jax.experimental.pallas.ops.gpu.paged_attention` is decode-only and wants a
@@ -49,7 +50,7 @@ DTYPE = jnp.bfloat16
 LAYER = 7
 
 
-def make(q_lens, kv_lens, seed=0):
+def make(q_lens, kv_lens, seed=0, dtype=DTYPE):
     rng = np.random.default_rng(seed)
     S = len(q_lens)
     need = [-(-k // B) for k in kv_lens]
@@ -63,9 +64,9 @@ def make(q_lens, kv_lens, seed=0):
         c += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     T = int(qsl[-1])
-    q = jnp.asarray(rng.standard_normal((T, H, D)), DTYPE)
-    kp = jnp.asarray(rng.standard_normal((L, P, B, K, D)), DTYPE)
-    vp = jnp.asarray(rng.standard_normal((L, P, B, K, D)), DTYPE)
+    q = jnp.asarray(rng.standard_normal((T, H, D)), dtype)
+    kp = jnp.asarray(rng.standard_normal((L, P, B, K, D)), dtype)
+    vp = jnp.asarray(rng.standard_normal((L, P, B, K, D)), dtype)
     return q, kp, vp, jnp.asarray(bt), jnp.asarray(kv_lens, jnp.int32), jnp.asarray(qsl)
 
 
@@ -122,19 +123,21 @@ def native_table(reps):
     parents = [-1] + [int(rng.integers(max(0, i - 4), i)) for i in range(1, 16)]
     masks, _ = tree_masks(jnp.asarray([parents], jnp.int32))
     rows = []
-    for name, q_lens, kv_lens in [("decode S=64 kv=256", [1] * 64, [256] * 64),
-                                  ("decode S=8 kv=256", [1] * 8, [256] * 8),
-                                  ("verify S=1 16 tokens kv=316", [16], [316]),
-                                  ("verify S=4 16 tokens kv=316", [16] * 4, [316] * 4)]:
-        args = make(q_lens, kv_lens)
+    for name, q_lens, kv_lens, pool in [("decode S=64 kv=256", [1] * 64, [256] * 64, jnp.bfloat16),
+                                        ("decode S=64 kv=256", [1] * 64, [256] * 64, jnp.float32),
+                                        ("decode S=8 kv=256", [1] * 8, [256] * 8, jnp.bfloat16),
+                                        ("decode S=8 kv=256", [1] * 8, [256] * 8, jnp.float32),
+                                        ("verify S=1 16 tokens kv=316", [16], [316], jnp.bfloat16),
+                                        ("verify S=4 16 tokens kv=316", [16] * 4, [316] * 4, jnp.bfloat16)]:
+        args = make(q_lens, kv_lens, dtype=pool)
         causal, _ = bench(all_layers(), args, reps)
         tree = "—"
         if name.startswith("verify"):
             t, _ = bench(all_layers(tree_mask=jnp.tile(masks[0], len(q_lens))), args, reps)
             tree = f"{t:.2f}"
-        rows.append((name, f"{causal:.2f}", tree))
-    print(f"\nnative kernel (CPU, {L} layers per call, bf16 pool), median of {reps} runs, ms")
-    print("| shape | causal | tree masks |\n|---|---:|---:|")
+        rows.append((name, jnp.dtype(pool).name, f"{causal:.2f}", tree))
+    print(f"\nnative kernel (CPU, {L} layers per call), median of {reps} runs, ms")
+    print("| shape | pool | causal | tree masks |\n|---|---|---:|---:|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
 

@@ -6,7 +6,7 @@
 // pool through row s of the block table (this step's own K/V are already written there). One work item is
 // up to 4 consecutive query tokens of one sequence (16 for prefill chunks) and one KV head, or every KV head
 // when a step has many short items: its rows (tokens x the G = H / K query heads of a KV head) share each K
-// and V row, read from the pool directly (f32; bf16 on AVX-512, split into even and odd elements) or
+// and V row, read from the pool directly on AVX-512 (bf16 rows split into even and odd elements) or
 // converted to f32 once per tile of 32 context positions. The split path prefetches the tiles ahead.
 // The tiles are walked with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
 // §3.1): scores 8 positions at a time (8 independent FMA chains, one transposing reduction), a running max
@@ -344,21 +344,28 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
   }
 }
 
-// ---- AVX-512, for short work items (decode, verify windows) over a bf16 pool: no f32 copy of K and V. A
-// 32-bit lane of a bf16 row holds elements 2i (low half) and 2i + 1 (high half); a shift and a mask make
-// both exact float32 vectors, so a row of 32 elements is two vectors of its even and its odd elements. q is
-// split the same way once per work item and the accumulator is kept split, interleaved back at the end: the
-// dot products and the P V sums never need the elements in order.
+// ---- AVX-512, for short work items (decode, verify windows): K and V read from the pool in place, each row
+// of 32 elements as two float32 vectors. In a bf16 pool a 32-bit lane holds elements 2i (low half) and
+// 2i + 1 (high half); a shift and a mask make both exact float32 vectors, so the two vectors are the row's
+// even and odd elements. q is split the same way once per work item and the accumulator is kept split,
+// interleaved back at the end: the dot products and the P V sums never need the elements in order. In a
+// float32 pool the two vectors are the row's halves and no reordering is needed.
 
-// The even / odd elements of ND x 32 bf16 elements as float32.
+// ND x 32 elements as 2 ND float32 vectors: bf16, the even / odd elements.
 template <int ND>
-__attribute__((target("avx512f"))) inline void split_bf16(const uint16_t* p, __m512* even, __m512* odd) {
+__attribute__((target("avx512f"))) inline void split_row(const uint16_t* p, __m512* even, __m512* odd) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int c = 0; c < ND; ++c) {
     const __m512i x = _mm512_loadu_si512(p + 32 * c);
     even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     odd[c] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
   }
+}
+
+// ... float32: elements 0-15 and 16-31 of each 32.
+template <int ND>
+__attribute__((target("avx512f"))) inline void split_row(const float* p, __m512* lo, __m512* hi) {
+  for (int c = 0; c < ND; ++c) lo[c] = _mm512_loadu_ps(p + 32 * c), hi[c] = _mm512_loadu_ps(p + 32 * c + 16);
 }
 
 // out[j] = the sum of a[j]'s 16 lanes, j < 16: a transposing reduction (halves, then quarters, of pairs of
@@ -375,7 +382,7 @@ __attribute__((target("avx512f"))) inline __m512 hsum16(const __m512* a) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15), g);
 }
 
-// Online-softmax state of a work item's rows; q and acc in the split layout (per 32 elements: 16 even, 16 odd).
+// Online-softmax state of a work item's rows; q and acc in split_row's layout.
 struct Split {
   alignas(64) float q[kMaxRows][kMaxD];
   alignas(64) float acc[kMaxRows][kMaxD];
@@ -384,9 +391,9 @@ struct Split {
 };
 
 // One tile of n <= kTile positions (rows of the pool at k[jj], v[jj]) for rows r0 .. r0 + RB - 1.
-template <int ND, int RB>
+template <typename KV, int ND, int RB>
 __attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int64_t r0, int64_t j0, int64_t n,
-                                                   const uint16_t* const* k, const uint16_t* const* v, float scale) {
+                                                   const KV* const* k, const KV* const* v, float scale) {
   static_assert(kTile == 32, "two blocks of 16 positions");
   alignas(64) __m512 part[RB][16];
   __m512 qe[RB][ND], qo[RB][ND], ke[ND], ko[ND];
@@ -395,7 +402,7 @@ __attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int6
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t jb = 0; jb < n; jb += 16) {
     for (int jj = 0; jj < 16; ++jj) {
-      split_bf16<ND>(k[std::min<int64_t>(jb + jj, n - 1)], ke, ko);  // positions past n: masked below
+      split_row<ND>(k[std::min<int64_t>(jb + jj, n - 1)], ke, ko);  // positions past n: masked below
       for (int r = 0; r < RB; ++r) {
         __m512 a = _mm512_mul_ps(qe[r][0], ke[0]);
         a = _mm512_fmadd_ps(qo[r][0], ko[0], a);
@@ -436,7 +443,7 @@ __attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int6
     }
   }
   for (int64_t jj = 0; jj < n; ++jj) {
-    split_bf16<ND>(v[jj], ve, vo);
+    split_row<ND>(v[jj], ve, vo);
     for (int r = 0; r < RB; ++r) {
       const __m512 p = _mm512_set1_ps(S.s[r0 + r][jj]);
       for (int c = 0; c < ND; ++c) oe[r][c] = _mm512_fmadd_ps(p, ve[c], oe[r][c]), oo[r][c] = _mm512_fmadd_ps(p, vo[c], oo[r][c]);
@@ -455,15 +462,16 @@ constexpr int kSplitRows = ND <= 2 ? 4 : ND <= 4 ? 2 : 1;
 
 // KV heads kh0 .. kh0 + heads - 1, R's rows head-major (R.n / heads rows a head): a slot's heads are adjacent
 // in the pool, so one item walking them all reads whole slot rows.
-template <int ND>
-__attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows& R, const uint16_t* k_layer,
-                                                     const uint16_t* v_layer, const int32_t* table, int64_t kh0,
+template <typename KV, int ND>
+__attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows& R, const KV* k_layer,
+                                                     const KV* v_layer, const int32_t* table, int64_t kh0,
                                                      int64_t heads) {
-  using TileFn = void (*)(Split&, const Rows&, int64_t, int64_t, int64_t, const uint16_t* const*,
-                          const uint16_t* const*, float);
-  static constexpr TileFn kTiles[4] = {&tile_split<ND, 1>, &tile_split<ND, std::min(2, kSplitRows<ND>)>,
-                                       &tile_split<ND, std::min(3, kSplitRows<ND>)>,
-                                       &tile_split<ND, std::min(4, kSplitRows<ND>)>};
+  using TileFn = void (*)(Split&, const Rows&, int64_t, int64_t, int64_t, const KV* const*, const KV* const*,
+                          float);
+  static constexpr TileFn kTiles[4] = {&tile_split<KV, ND, 1>, &tile_split<KV, ND, std::min(2, kSplitRows<ND>)>,
+                                       &tile_split<KV, ND, std::min(3, kSplitRows<ND>)>,
+                                       &tile_split<KV, ND, std::min(4, kSplitRows<ND>)>};
+  constexpr bool kBf16 = std::is_same_v<KV, uint16_t>;
   constexpr int64_t D = 32 * ND;
   const int64_t row = L.Kh * D;
   static thread_local Split S;
@@ -471,14 +479,18 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
   for (int64_t r = 0; r < R.n; ++r) {
     S.m[r] = -std::numeric_limits<float>::infinity(), S.l[r] = 0.f;
     std::fill(S.acc[r], S.acc[r] + D, 0.f);
-    for (int64_t c = 0; c < ND; ++c)
-      for (int64_t i = 0; i < 16; ++i) S.q[r][32 * c + i] = R.q[r][32 * c + 2 * i], S.q[r][32 * c + 16 + i] = R.q[r][32 * c + 2 * i + 1];
+    if constexpr (kBf16) {
+      for (int64_t c = 0; c < ND; ++c)
+        for (int64_t i = 0; i < 16; ++i) S.q[r][32 * c + i] = R.q[r][32 * c + 2 * i], S.q[r][32 * c + 16 + i] = R.q[r][32 * c + 2 * i + 1];
+    } else {
+      std::copy(R.q[r], R.q[r] + D, S.q[r]);
+    }
     longest = std::max(longest, R.limit[r]);
   }
   const int64_t per_head = R.n / heads;
   int64_t at[kTile];
-  const uint16_t* krow[kTile];
-  const uint16_t* vrow[kTile];
+  const KV* krow[kTile];
+  const KV* vrow[kTile];
   for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
@@ -490,7 +502,7 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
     for (int64_t j = j0 == 0 ? kTile : j0 + 2 * kTile; j < std::min(longest, j0 + 3 * kTile); ++j) {
       const int64_t a = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh0 * D;
       const char *kp = reinterpret_cast<const char*>(k_layer + a), *vp = reinterpret_cast<const char*>(v_layer + a);
-      for (int64_t b = 0; b < 2 * D * heads; b += 64) _mm_prefetch(kp + b, _MM_HINT_T0), _mm_prefetch(vp + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < static_cast<int64_t>(sizeof(KV)) * D * heads; b += 64) _mm_prefetch(kp + b, _MM_HINT_T0), _mm_prefetch(vp + b, _MM_HINT_T0);
     }
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t jj = 0; jj < n; ++jj) krow[jj] = k_layer + at[jj] + h * D, vrow[jj] = v_layer + at[jj] + h * D;
@@ -501,20 +513,20 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
       }
     }
   }
-  // Back to element order: lanes i of the even / odd halves are elements 2i / 2i + 1.
+  // Back to element order (bf16: lanes i of the even / odd halves are elements 2i / 2i + 1).
   const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
   for (int64_t r = 0; r < R.n; ++r) {
     const __m512 inv = _mm512_set1_ps(S.l[r] > 0.f ? 1.f / S.l[r] : 0.f);
     for (int64_t c = 0; c < ND; ++c) {
       const __m512 e = _mm512_load_ps(S.acc[r] + 32 * c), o = _mm512_load_ps(S.acc[r] + 32 * c + 16);
-      _mm512_storeu_ps(R.out[r] + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), inv));
-      _mm512_storeu_ps(R.out[r] + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), inv));
+      _mm512_storeu_ps(R.out[r] + 32 * c, _mm512_mul_ps(kBf16 ? _mm512_permutex2var_ps(e, lo, o) : e, inv));
+      _mm512_storeu_ps(R.out[r] + 32 * c + 16, _mm512_mul_ps(kBf16 ? _mm512_permutex2var_ps(e, hi, o) : o, inv));
     }
   }
 }
 
-// Whether a tile of `count` query tokens over a bf16 pool takes attend_split.
+// Whether a tile of `count` query tokens takes attend_split.
 inline bool split_path(const Layout& L, int64_t count) { return kAvx512 && count <= kTileQ && (L.D == 64 || L.D == 128); }
 
 // Everything a helper thread touches; shared-owned, so a helper that starts after the call returned only
@@ -554,10 +566,8 @@ struct Job {
         }
     R.tree = tree != nullptr;
     const int32_t* table = tables + static_cast<int64_t>(t.seq) * L.max_blocks;
-    if constexpr (std::is_same_v<KV, uint16_t>) {
-      if (split_path(L, t.count) && L.D == 64) return attend_split<2>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
-      if (split_path(L, t.count) && L.D == 128) return attend_split<4>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
-    }
+    if (split_path(L, t.count) && L.D == 64) return attend_split<KV, 2>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
+    if (split_path(L, t.count) && L.D == 128) return attend_split<KV, 4>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
     if (t.count > kTileQ)  // a long tile: AVX-512 (see Run)
       attend_512<KV>(L, R, k_layer, v_layer, table, w.kh0);
     else
@@ -589,8 +599,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
       if (tables[s * L.max_blocks + i] < 0 || tables[s * L.max_blocks + i] >= L.P)
         return ffi::Error::InvalidArgument("paged attention: block table entry out of range");
     // Long query runs (prefill chunks) take tiles of 16 tokens on the AVX-512 path: many rows share each
-    // K/V tile. Short ones (decode, verify windows) keep tiles of 4: attend_split over bf16 on AVX-512, else
-    // the AVX2 path.
+    // K/V tile. Short ones (decode, verify windows) keep tiles of 4: attend_split on AVX-512, else the AVX2
+    // path.
     const int64_t tile_q = kAvx512 && L.D % 16 == 0 && n >= 2 * kTileQLong ? kTileQLong : kTileQ;
     for (int64_t t = a; t < b; t += tile_q) {
       const int64_t count = std::min(tile_q, b - t);
@@ -604,10 +614,10 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
   // Short tiles on the split path take every KV head in one item (whole slot rows) when there are enough
   // of them to keep the threads busy.
   int64_t short_tiles = 0;
-  for (const auto& t : job->tiles) short_tiles += std::is_same_v<KV, uint16_t> && split_path(L, t.count);
+  for (const auto& t : job->tiles) short_tiles += split_path(L, t.count);
   const bool whole = short_tiles >= 4 * std::max<int64_t>(1, pool.num_threads()) && kTileQ * L.H <= kMaxRows;
   for (int32_t i = 0; i < static_cast<int32_t>(job->tiles.size()); ++i) {
-    if (whole && std::is_same_v<KV, uint16_t> && split_path(L, job->tiles[i].count)) {
+    if (whole && split_path(L, job->tiles[i].count)) {
       job->work.push_back({i, 0, static_cast<int32_t>(L.Kh)});
       continue;
     }

@@ -303,16 +303,18 @@ def test_paged_attention_long_chunks_equal_reference(dtype, D):
     np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("pool", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("D", [64, 128])
-def test_paged_attention_short_rows_over_bf16_equal_reference(D):
-    """Decode and verify rows over a bf16 pool (the split even/odd path on AVX-512: one item per sequence
-    over all KV heads once there are 8+ short tiles): float32 q against the reference within 1e-5, contexts
-    ending on, before and after tile (32) and 16-position boundaries, beside a prefill chunk."""
+def test_paged_attention_short_rows_equal_reference(D, pool):
+    """Decode and verify rows over f32 and bf16 pools (the split path on AVX-512, bf16 rows as even/odd
+    elements: one item per sequence over all KV heads once there are 8+ short tiles): float32 q against the
+    reference within 1e-5, contexts ending on, before and after tile (32) and 16-position boundaries, beside
+    a prefill chunk."""
     q_lens = [1] * 12 + [3, 4, 2, 40]
     kv_lens = [1, 15, 16, 17, 31, 32, 33, 47, 48, 63, 64, 250, 3, 70, 130, 90]
     q, k, v, bt, sl, qsl = make_batch(11, q_lens, kv_lens, heads=9, kv_heads=3, head_dim=D, block_size=16,
                                       pad_tokens=2, dtype=jnp.float32)
-    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    k, v = k.astype(pool), v.astype(pool)
     for few in (False, True):  # 16 sequences; then 3 (one item per KV head)
         args = (q, k, v, bt, sl, qsl) if not few else (q[:3], k, v, bt[:3], sl[:3], qsl[:4])
         got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)))
