@@ -35,7 +35,7 @@ from benchmarks.baselines import hf_batch, hf_setup, prompts_dir
 flags.DEFINE_integer("num_prompts", 512, "Generation prompts.")
 flags.DEFINE_integer("max_tokens", 32, "Tokens generated per prompt.")
 flags.DEFINE_integer("max_inflight", 256, "The job's --max_inflight.")
-flags.DEFINE_integer("max_num_seqs", 64, "Engine batch size.")
+flags.DEFINE_integer("max_num_seqs", 128, "Engine batch size (engine.batch's default).")
 flags.DEFINE_integer("hf_batch", 32, "transformers generate batch size.")
 flags.DEFINE_integer("score_texts", 128, "Texts scored (summarization articles).")
 flags.DEFINE_integer("memory_lines", 200_000, "Lines of the memory run (tiny model); 0 skips it.")

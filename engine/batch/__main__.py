@@ -49,6 +49,10 @@ flags.DEFINE_integer("data_parallel_size", 1, "Run this many shard workers on th
 flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --output in --input order "
                   "(nothing is generated).")
 
+# Offline jobs want throughput: at 64 sequences, requests of like lengths run in waves whose decode-only
+# steps cost 2.5x a mixed step's per-token time (benchmarks/RESULTS.md, 2026-12-04).
+FLAGS.set_default("max_num_seqs", 128)
+
 EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED = 1, 2, 128 + signal.SIGTERM
 
 
