@@ -20,7 +20,8 @@ import numpy as np
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
-from engine.proposers import DraftModelProposer, EagleProposer, MedusaProposer, NgramProposer, Proposer
+from engine.prompt_lookup import NgramProposer
+from engine.proposers import DraftModelProposer, EagleProposer, MedusaProposer, Proposer
 from model import medusa
 from model.eagle import FC
 from engine.inputs import check_token_ids

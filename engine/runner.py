@@ -11,8 +11,8 @@ With a draft model (`engine.proposers.DraftModelProposer`), the draft's KV
 pool sits beside the target's in `pools`: the same block tables index both,
 so a block operation (copy-on-write, swap) applies to every pool at once; an
 EAGLE head's KV pool and the target's features (`FeaturePool`) sit there the
-same way (`Proposer.pools`). A host proposer (`NgramProposer`) has no pool; its steps run the target and
-the verify alone.
+same way (`Proposer.pools`). A host proposer (`engine.prompt_lookup.NgramProposer`) has no pool; its
+steps run the target and the verify alone.
 """
 
 from __future__ import annotations

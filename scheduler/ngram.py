@@ -2,7 +2,7 @@
 
 Source: Saxena 2023, *Prompt Lookup Decoding*; vLLM's n-gram speculator
 (`prompt_lookup_max` / `prompt_lookup_min`). The engine's `NgramProposer`
-(`engine/proposers.py`) calls `lookup` (a chain) or `lookup_tree` (the
+(`engine/prompt_lookup.py`) calls `lookup` (a chain) or `lookup_tree` (the
 continuations of several matches, merged into a token tree) for each
 decoding request.
 """

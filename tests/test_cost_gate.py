@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs, expected_accepted
-from engine.proposers import NgramProposer, Proposer
+from engine.prompt_lookup import NgramProposer
+from engine.proposers import Proposer
 from scheduler.packing import power_of_two_buckets
 from scheduler.request import Request, SamplingParams
 

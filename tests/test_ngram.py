@@ -291,7 +291,7 @@ def test_token_trees_greedy_equal_target_alone_and_pack_as_trees(target):
 def test_tree_depth_is_what_the_gate_expects_acceptance_along():
     """The cost gate prices a tree's window by its nodes but expects acceptance along one path: the depth of
     the first k nodes (BRANCHING's tree: 5 -> 9, 7 -> 3, 6 -> 3, 5 -> 3)."""
-    from engine.proposers import NgramProposer
+    from engine.prompt_lookup import NgramProposer
     from scheduler.request import Request
     proposer = NgramProposer(dataclasses.replace(NGRAM_TREE, num_speculative_tokens=2))
     r = Request(BRANCHING, SamplingParams(temperature=0))

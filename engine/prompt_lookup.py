@@ -1,0 +1,108 @@
+"""The host proposer: prompt lookup (n-gram) drafts through the `engine.proposers.Proposer` interface.
+
+Sources: Saxena 2023, *Prompt Lookup Decoding*, and vLLM's n-gram speculator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.adaptive import SpeculationConfig
+from engine.proposers import Proposer
+from scheduler.ngram import lookup, lookup_tree
+from scheduler.packing import tree_depths
+from scheduler.request import Request
+from scheduler.scheduler import StepPlan
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: propose what followed the latest earlier occurrence of the context's last n tokens.
+
+    For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n
+    tokens of the request's prompt + output are searched for earlier in it;
+    the first n with a match proposes the (up to K) tokens that followed it,
+    taking the latest match among those with the longest continuation. No
+    model: it pays where the output copies its input (summaries, code edits,
+    retrieval-augmented answers) and costs nothing where nothing matches (the
+    row then decodes plainly). The lookup is vectorized over the context with
+    numpy; each request's context is kept as a growing array.
+
+    With `tree_nodes`, the continuations of every earlier match are merged into
+    a token tree (`scheduler.ngram.lookup_tree`): where the context repeated
+    itself with variations, the verify step tries them all at once
+    (`engine.speculative.make_tree_verify_step`). A draft length the cost gate
+    cuts keeps the first nodes, still a tree (parents come first).
+    """
+
+    kind = "ngram"
+    output_independent = True  # verify_deterministic: drafting never changes a seeded output
+
+    def __init__(self, config: SpeculationConfig):
+        super().__init__(config)
+        self._context: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
+        self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
+        self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
+        self._parents: dict[str, list[int]] = {}  # request id -> its latest tree's node parents
+
+    def policy_k(self, request: Request, step: int) -> int:
+        """K capped by the request's own `num_speculative_tokens`: which proposals run is the cost gate's
+        call, per class and matched n-gram size, with no switching off per request or class (a lookup
+        keeps no draft state and costs nothing when the gate declines it)."""
+        cap = request.sampling.num_speculative_tokens
+        return self.config.num_speculative_tokens if cap is None else min(cap, self.config.num_speculative_tokens)
+
+    def wanted(self, request: Request, step: int) -> int:
+        """The lookup's proposal length (at most the policy's K); the proposal is kept for `proposals`."""
+        k = self.policy_k(request, step)
+        c = self.config
+        if not k:
+            tokens, n = [], 0
+        elif c.tree_nodes:
+            tokens, self._parents[request.request_id], n = lookup_tree(
+                self._tokens(request), request.sampling.num_tree_nodes or c.tree_nodes, k, c.prompt_lookup_max,
+                c.prompt_lookup_min)
+        else:
+            tokens, n = lookup(self._tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
+        self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
+        return len(tokens)
+
+    def acceptance_key(self, request: Request) -> tuple[str, int]:
+        """Acceptance is estimated per class and matched n-gram size: a longer match is a surer proposal."""
+        return request.request_class, self._matched.get(request.request_id, 0)
+
+    def proposals(self, plan: StepPlan) -> dict[str, list[int]]:
+        return {s.request.request_id: self._proposed[s.request.request_id][:s.num_draft]
+                for s in plan.seqs if s.num_draft}
+
+    def depth(self, request: Request, k: int) -> int:
+        parents = self._parents.get(request.request_id) if self.config.tree_nodes else None
+        if not parents:
+            return k
+        return int(tree_depths(np.array([-1, *parents[:k]]), request.request_id).max())
+
+    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        if not self.config.tree_nodes:
+            return None
+        return {s.request.request_id: self._parents[s.request.request_id][:s.num_draft]
+                for s in plan.seqs if s.num_draft}
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._parents.pop(request_id, None)
+        self._context.pop(request_id, None)
+        self._proposed.pop(request_id, None)
+        self._matched.pop(request_id, None)
+
+    def _tokens(self, request: Request) -> np.ndarray:
+        """The request's prompt + output as int32, appending only what is new since the last call."""
+        buf, n = self._context.get(request.request_id, (np.zeros(0, np.int32), 0))
+        total = request.num_tokens
+        if total < n:  # cannot shrink in practice; start over if it did
+            buf, n = np.zeros(0, np.int32), 0
+        if total > len(buf):
+            grown = np.zeros(max(total, 2 * len(buf), 64), np.int32)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = request.token_ids(n, total)
+        self._context[request.request_id] = (buf, total)
+        return buf[:total]
