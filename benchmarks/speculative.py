@@ -56,7 +56,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../shared/data/prompts.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
 flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted); empty: only the default settings.")
-flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one.")
+flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one "
+                     "(0: no default-settings rows).")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
 flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups of `batch` prompts, one group after "
@@ -70,6 +71,8 @@ flags.DEFINE_integer("tree_branching", 4, "eagle-tree: children per expanded nod
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's / head's weights in the CPU kernel (default: their dtype).")
+flags.DEFINE_bool("require_equal", True, "Greedy: stop when a speculative output differs from the target's "
+                  "(else count such requests: for backends whose products differ between window widths).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy (speculative output asserted equal to the plain engine's); "
                    "else seeded sampling at this temperature.")
 flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
@@ -157,6 +160,18 @@ def _decode_rounds(llm, groups, request_class="default"):
     return mean(0), mean(1), mean(2), mean(3), [t for r in runs for t in r[4]], mean(5), positions, mean(7)
 
 
+def _check_greedy(got: list[list[int]], want: list[list[int]]) -> None:
+    """Greedy speculative outputs must equal the target's alone. With `--norequire_equal` (a GPU, whose
+    product algorithms differ between a decode step and a verify window, so near-ties can flip) the
+    requests that differ are counted instead."""
+    if got == want:
+        return
+    differ = sum(g != w for g, w in zip(got, want))
+    if FLAGS.require_equal:
+        raise AssertionError(f"speculative greedy output differs from the target's in {differ} of {len(want)} requests")
+    print(f"note: {differ} of {len(want)} greedy outputs differ from the target's", flush=True)
+
+
 def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
     """Median ms of the target's jitted step over T tokens of one sequence (T = a verify window of K+1)."""
     runner, out = llm.engine.runner, {}
@@ -173,6 +188,8 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
 
 def main(argv):
     del argv
+    import jax
+
     from checkpoints import load_model
     from checkpoints.draft import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MEDUSA, early_exit_draft, load_draft
     from engine import LLM
@@ -189,8 +206,8 @@ def main(argv):
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
     ks = [int(k) for k in FLAGS.ks]
     mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
-    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32, {mode}, "
-          f"{FLAGS.max_tokens} tokens/request)\n")
+    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, {os.cpu_count()} "
+          f"CPUs, fp32, {mode}, {FLAGS.max_tokens} tokens/request)\n")
     plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
     costs = _window_costs(plain_llm)
     print("Target step time by tokens in the step (one sequence; a verify window is K+1 tokens, padded to a "
@@ -206,8 +223,9 @@ def main(argv):
     def with_proposer(name, **kw):
         if name in ("ngram-tree", "medusa-tree", "eagle-tree"):
             kind = name.split("-")[0]
+            dtype = {"draft_kernel_dtype": FLAGS.draft_kernel_dtype} if kind == "eagle" else {}
             return LLM(target, speculative=kind, draft_model=heads.get(kind), num_tree_nodes=FLAGS.tree_nodes,
-                       tree_branching=FLAGS.tree_branching, **kw)
+                       tree_branching=FLAGS.tree_branching, **dtype, **kw)
         return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                    **kw)
 
@@ -217,7 +235,8 @@ def main(argv):
         llm.engine.proposer.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
     # The default engines (K = 4, adaptive K per class and the cost gate), one per proposer, kept for the
     # whole run so that each learns its step costs and each domain's acceptance as a server would.
-    defaults = {name: with_proposer(name, max_num_seqs=16, max_num_batched_tokens=512) for name in FLAGS.proposers}
+    defaults = {name: with_proposer(name, max_num_seqs=16, max_num_batched_tokens=512)
+                for name in FLAGS.proposers if FLAGS.repeats}
     adaptive = []
     for domain in FLAGS.domains:
         for b in batch_sizes:
@@ -226,7 +245,7 @@ def main(argv):
             for (name, k), llm in spec_llms.items():
                 tps, ms, per_step, alpha, got, length, positions, share = _decode_rounds(llm, prompts)
                 if FLAGS.temperature == 0:
-                    assert got == want, "speculative greedy output differs from the target's"
+                    _check_greedy(got, want)
                 c = (ms - plain_ms) / (k * plain_ms)
                 alpha = alpha or 0.0  # n-gram: None when nothing matched
                 per_pos = " ".join(f"{a:.2f}" for a in positions)
@@ -239,7 +258,7 @@ def main(argv):
                 for i in range(FLAGS.repeats):
                     runs.append(_decode_rounds(llm, prompts, request_class=domain))
                     if FLAGS.temperature == 0:
-                        assert runs[-1][4] == want, "speculative greedy output differs from the target's"
+                        _check_greedy(runs[-1][4], want)
                     if i + 1 < FLAGS.repeats:
                         plain_runs.append(_decode_rounds(plain_llm, prompts)[0])
                 tps, per_step, share = (statistics.median(r[j] for r in runs) for j in (0, 2, 7))
@@ -249,6 +268,8 @@ def main(argv):
                        f"| {per_step:.2f} | {alpha or 0:.2f} | {share:.1%} |")
                 adaptive.append(row)
                 print(f"default settings: {row}", flush=True)
+    if not adaptive:
+        return
     print("\n## Default settings (K = 4, adaptive per request class, cost gate), per batch size\n")
     print("| domain | proposer | batch | tok/s default / no speculation | ratio | tokens/step | alpha "
           "| host draft share |")

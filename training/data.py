@@ -24,8 +24,9 @@ EVAL_PERCENT = {"chat": 20, "code": 20, "creative": 20, "math": 5, "summarizatio
 EVAL_CAP = 24  # held-out prompts per domain actually evaluated (chat keeps all of its 20%)
 TRAIN_CAP = {"chat": None, "code": None, "creative": None, "math": 240, "summarization": 160}
 # (temperature, top_p) of the sampled continuations per training prompt, besides one greedy one.
-SAMPLED = {"chat": [(0.7, 0.9), (1.0, 1.0)], "code": [(0.7, 0.9), (1.0, 1.0)],
-           "creative": [(0.7, 0.9), (1.0, 1.0)], "math": [(0.8, 0.95)], "summarization": []}
+# Chat, code and creative have few prompts, so each gets more samples.
+_OPEN = [(0.7, 0.9), (1.0, 1.0), (0.8, 0.95), (0.9, 0.9), (0.6, 1.0), (1.0, 0.9)]
+SAMPLED = {"chat": _OPEN, "code": _OPEN, "creative": _OPEN, "math": [(0.8, 0.95), (1.0, 0.9)], "summarization": []}
 
 
 @dataclasses.dataclass(frozen=True)

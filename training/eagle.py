@@ -30,6 +30,7 @@ The held-out prompts (`training.data.split_prompts`) are never trained on;
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -55,6 +56,8 @@ flags.DEFINE_float("noise", 0.2, "Input features get uniform noise of +- this ti
 flags.DEFINE_integer("tokens_per_batch", 2048, "Padded tokens per batch.")
 flags.DEFINE_integer("unroll", 2, "Passes per batch: 1 teacher-forced only, 2 also on the head's own predictions.")
 flags.DEFINE_integer("max_len", 1024, "Sequences are cut to this many tokens.")
+flags.DEFINE_string("init_from", None, "A saved head (directory or bundled name) to continue training from, "
+                    "keeping its `head_ids`; else the head starts from the target's last layer.")
 flags.DEFINE_integer("seed", 0, "Noise and shuffling seed.")
 flags.DEFINE_integer("log_every", 20, "Training steps between log lines.")
 
@@ -73,6 +76,7 @@ class EagleConfig:
     tokens_per_batch: int = 2048
     unroll: int = 2
     max_len: int = 1024
+    init_from: str | None = None
     seed: int = 0
     log_every: int = 20
 
@@ -142,7 +146,7 @@ def train(workdir: str, config: EagleConfig) -> None:
     from flax import nnx
 
     from checkpoints import load_model
-    from checkpoints.draft import save_draft
+    from checkpoints.draft import DRAFTS_DIR, draft_names, load_draft, save_draft
     from model.eagle import FC, EagleHead
 
     def load(split):
@@ -156,10 +160,20 @@ def train(workdir: str, config: EagleConfig) -> None:
     target = load_model()
     E = target.config.hidden_size
     counts = np.bincount(tokens_all, minlength=target.config.vocab_size)
-    cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)))
+    if config.init_from:
+        loaded = load_draft(config.init_from, target)
+        if FC not in loaded.params:
+            raise ValueError(f"{config.init_from} is not an EAGLE head")
+        cfg, init = loaded.config, {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32)
+                                    for k, v in loaded.params.items()}
+        path = os.path.join(DRAFTS_DIR, config.init_from) if config.init_from in draft_names() else config.init_from
+        with open(os.path.join(path, "config.json")) as f:
+            parent_training = json.load(f)["draft"].get("training")
+    else:
+        cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)))
     ev_cover = float(np.isin(ev_tokens, init["head_ids"]).mean())
     logging.info("train: %d sequences, %d tokens; the head's %d tokens cover %.3f of the eval tokens",
-                 len(lengths), len(tokens_all), config.head_vocab, ev_cover)
+                 len(lengths), len(tokens_all), len(init["head_ids"]), ev_cover)
     head_rows = jnp.asarray(np.asarray(target.params["embed"], np.float32)[init["head_ids"]])  # [N, E], frozen
     graphdef, embed_state, params, rest = nnx.split(EagleHead(cfg, init), nnx.PathContains("embed"), nnx.Param, ...)
     fixed_embed = jnp.asarray(target.params["embed"], jnp.float32)
@@ -237,6 +251,23 @@ def train(workdir: str, config: EagleConfig) -> None:
             n += valid.sum()
         return {k: round(v / max(n, 1), 4) for k, v in hits.items()}
 
+    # The recorded command names the head size actually trained (an --init_from head keeps its own).
+    recorded = dataclasses.replace(config, head_vocab=len(init["head_ids"]))
+    command = "python -m training.eagle --stage=train " + " ".join(
+        f"--{k}={v}" for k, v in dataclasses.asdict(recorded).items() if k != "out")
+    record = {"command": command, "sequences": int(len(lengths)), "tokens": int(len(tokens_all)),
+              "eval_token_coverage": round(ev_cover, 4)}
+    if config.init_from:  # how the starting head was made
+        record["init_from"] = {"name": config.init_from, "training": parent_training}
+
+    def save(params, history):
+        head = merged(params)
+        out = {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32) for k, v in head.body.to_params().items()}
+        out[FC] = np.asarray(head.fc[...], np.float32)
+        save_draft(config.out, cfg, out, None, target_name="smollm2-135m-instruct",
+                   extra={"training": {**record, "epochs": history}})
+        logging.info("train: saved %s", config.out)
+
     rng = np.random.default_rng(config.seed)
     key = jax.random.key(config.seed)
     step, t0, history = 0, time.perf_counter(), []
@@ -255,16 +286,7 @@ def train(workdir: str, config: EagleConfig) -> None:
         history.append({"epoch": epoch, "steps": step, "eval": agree})
         logging.info("train: epoch %d eval top-1 agreement with the target %s (%.0f s)", epoch, agree,
                      time.perf_counter() - t0)
-    head = merged(params)
-    out = {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32) for k, v in head.body.to_params().items()}
-    out[FC] = np.asarray(head.fc[...], np.float32)
-    command = "python -m training.eagle --stage=train " + " ".join(
-        f"--{k}={v}" for k, v in dataclasses.asdict(config).items() if k != "out")
-    save_draft(config.out, cfg, out, None, target_name="smollm2-135m-instruct",
-               extra={"training": {"command": command, "sequences": int(len(lengths)),
-                                   "tokens": int(len(tokens_all)), "eval_token_coverage": round(ev_cover, 4),
-                                   "epochs": history}})
-    logging.info("train: saved %s", config.out)
+        save(params, history)  # after every epoch: a run stopped early keeps its last one
 
 
 def main(argv):
