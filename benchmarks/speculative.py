@@ -221,12 +221,10 @@ def main(argv):
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def with_proposer(name, **kw):
-        if name in ("ngram-tree", "medusa-tree", "eagle-tree"):
-            kind = name.split("-")[0]
-            dtype = {"draft_kernel_dtype": FLAGS.draft_kernel_dtype} if kind == "eagle" else {}
-            return LLM(target, speculative=kind, draft_model=heads.get(kind), num_tree_nodes=FLAGS.tree_nodes,
-                       tree_branching=FLAGS.tree_branching, **dtype, **kw)
-        return LLM(target, speculative=name, draft_model=heads.get(name), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
+        kind = name.removesuffix("-tree")
+        if kind != name:
+            kw.update(num_tree_nodes=FLAGS.tree_nodes, tree_branching=FLAGS.tree_branching)
+        return LLM(target, speculative=kind, draft_model=heads.get(kind), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
                    **kw)
 
     spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
