@@ -75,6 +75,9 @@ flags.DEFINE_bool("require_equal", True, "Greedy: stop when a speculative output
                   "(else count such requests: for backends whose products differ between window widths).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy (speculative output asserted equal to the plain engine's); "
                    "else seeded sampling at this temperature.")
+flags.DEFINE_bool("precompile", True, "Compile every step shape a cell's draft-length ladder can take before it "
+                  "runs; --noprecompile runs each cell once untimed instead, which compiles only the shapes it uses "
+                  "(fewer compiles where they are slow, as on a GPU).")
 flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
                   "(checkpoints.draft.early_exit_draft) instead of --draft.")
 
@@ -107,7 +110,8 @@ def _decode(llm, prompts, request_class="default"):
     S = bucket_for(b, runner.seq_buckets)
     widest = bucket_for(b * (1 + max(k for k in runner.spec_ks if k is not None) if len(runner.spec_ks) > 1 else b),
                         runner.token_buckets)
-    engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
+    if FLAGS.precompile:
+        engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
     # Prefill every prompt once beforehand, so that in the run the prefix cache serves them in a step or
     # two and all B requests decode together (long prompts would otherwise still be prefilling while
     # the first ones finish).
@@ -153,6 +157,10 @@ def _decode(llm, prompts, request_class="default"):
 def _decode_rounds(llm, groups, request_class="default"):
     """`_decode` over each prompt group in turn: the mean of each figure (per-position acceptance over the
     positions every group reached), the outputs of all groups in order."""
+    if not FLAGS.precompile:
+        t = time.perf_counter()
+        _decode(llm, groups[0], request_class)
+        print(f"(warm-up run: {time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
     runs = [_decode(llm, g, request_class) for g in groups]
     mean = lambda j: statistics.mean(r[j] or 0.0 for r in runs)
     depth = min(len(r[6]) for r in runs)

@@ -28,7 +28,10 @@ class SpeculationConfig:
       proposals that hardly ever pay; whether a rate above it pays in a
       given batch is the cost gate's call (`Proposer.begin_step`). 0 turns
       both off: every decode drafts K.
-    ema_decay: weight of the past in the running averages, per verify step.
+    ema_decay: weight of the past in the running acceptance rates, per
+      verify step (0.9: a rate that has seen alpha 0.5 for a while falls
+      below 0.1 after about 20 verifies in a row that accept nothing; a
+      proposal that never accepts turns off after 7).
     retry_after_steps: a class switched off is retried at K = 1 after this many
       engine steps (twice as long after each failed retry), on the requests
       that arrive then.
@@ -48,7 +51,7 @@ class SpeculationConfig:
 
     num_speculative_tokens: int = 4
     min_acceptance: float = 0.1
-    ema_decay: float = 0.5
+    ema_decay: float = 0.9
     retry_after_steps: int = 200
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
@@ -81,15 +84,40 @@ class SpeculationConfig:
         return tuple(reversed(ks))
 
 
+class _Acceptance:
+    """accepted / tried draft tokens with older verifies decaying by `decay` each: an estimate of the per-token
+    acceptance rate alpha. Each verify weighs by the tokens it tried, so a run of first-token misses moves it
+    less than an average of per-verify ratios would; the prior (accepted, tried) is one accepted token
+    (optimistic: a new class is tried first) or another estimate's sums."""
+
+    def __init__(self, decay: float = 0.95, accepted: float = 1.0, tried: float = 1.0):
+        self.decay, self.accepted, self.tried = decay, accepted, tried
+
+    def add(self, accepted: int, tried: int) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.tried = self.decay * self.tried + tried
+
+    def copy(self) -> "_Acceptance":
+        return _Acceptance(self.decay, self.accepted, self.tried)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+
 @dataclasses.dataclass
 class _Rate:
     """A running acceptance rate and the K it currently allows."""
 
     k: int
-    rate: float = 1.0  # optimistic start: speculation is tried first
+    estimate: _Acceptance
     off_since: int = 0  # engine step of the last halving (read once k is 0)
     good: int = 0  # verify steps at this K with the rate at or above the threshold
     failed_retries: int = 0  # retries in a row that ended off again
+
+    @property
+    def rate(self) -> float:
+        return self.estimate.alpha
 
 
 # A class's K climbs one ladder step after this many verify steps in a row at or above the threshold.
@@ -101,10 +129,13 @@ MAX_BACKOFF = 64
 class AdaptiveSpeculation:
     """Per-class and per-request acceptance rates (running averages) and each request's K.
 
-    The rate of a verify step is accepted / tried draft tokens, where tried
-    stops at the first rejection (min(num_draft, accepted + 1)): an estimate
-    of the per-token acceptance probability alpha of Leviathan et al. 2023
-    (§3.1) that does not depend on K, so one threshold serves every K.
+    A rate is accepted / tried draft tokens over the verifies so far, older
+    ones decaying by `ema_decay` each, where tried stops at the first rejection
+    (min(num_draft, accepted + 1)): an estimate of the per-token acceptance
+    probability alpha of Leviathan et al. 2023 (§3.1) that does not depend on
+    K, so one threshold serves every K. A new request's rate starts from its
+    class's, so a request of a class that pays needs evidence of its own to
+    fall below the threshold, not a few unlucky first verifies.
     Whenever a rate is below `min_acceptance` its K halves (no optimistic
     reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
     steps); after `GROW_AFTER` verify steps in a row at or above it, a
@@ -124,8 +155,13 @@ class AdaptiveSpeculation:
         self.classes: dict[str, _Rate] = {}
         self.requests: dict[str, _Rate] = {}
 
+    def _fresh(self, prior: _Acceptance | None = None) -> _Rate:
+        return _Rate(self.config.num_speculative_tokens, prior.copy() if prior else _Acceptance(self.config.ema_decay))
+
     def _class(self, name: str) -> _Rate:
-        return self.classes.setdefault(name, _Rate(self.config.num_speculative_tokens))
+        if name not in self.classes:
+            self.classes[name] = self._fresh()
+        return self.classes[name]
 
     def class_k(self, request_class: str) -> int:
         return self._class(request_class).k
@@ -138,13 +174,14 @@ class AdaptiveSpeculation:
               seeded: bool = False) -> int:
         """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
         c = self.config
-        own = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens))
-        k = own.k
+        cls = self._class(request_class)
+        if request_id not in self.requests:  # a seeded request's history is its own alone
+            self.requests[request_id] = self._fresh(None if seeded else cls.estimate)
+        k = self.requests[request_id].k
         if not seeded:
-            cls = self._class(request_class)
             wait = c.retry_after_steps * min(2 ** cls.failed_retries, MAX_BACKOFF)
             if cls.k == 0 and c.num_speculative_tokens and step - cls.off_since >= wait:
-                cls.k, cls.rate, cls.good = 1, 1.0, 0  # retry
+                cls.k, cls.estimate, cls.good = 1, _Acceptance(c.ema_decay), 0  # retry
                 cls.failed_retries += 1  # until it grows back to the top
             k = min(k, cls.k)
         return min(k, c.num_speculative_tokens if requested is None else requested)
@@ -156,9 +193,10 @@ class AdaptiveSpeculation:
             return
         c = self.config
         tried = min(num_draft, num_accepted + 1)
-        own, cls = self.requests.setdefault(request_id, _Rate(c.num_speculative_tokens)), self._class(request_class)
+        cls = self._class(request_class)
+        own = self.requests.setdefault(request_id, self._fresh())
         for r in (own, cls):
-            r.rate = c.ema_decay * r.rate + (1 - c.ema_decay) * num_accepted / tried
+            r.estimate.add(num_accepted, tried)
             if r.rate < c.min_acceptance:
                 r.good = 0
                 if r.k > 0:
@@ -273,20 +311,3 @@ class StepCosts:
         if num_tokens > self.token_buckets[-1] or num_seqs > self.seq_buckets[-1]:
             return None
         return bucket_for(num_tokens, self.token_buckets), bucket_for(num_seqs, self.seq_buckets)
-
-
-class _Acceptance:
-    """accepted / tried draft tokens of one request class, with older verifies decaying (alpha's estimate)."""
-
-    DECAY = 0.95  # weight of the past per verify: about the last 20 verifies count
-
-    def __init__(self):
-        self.accepted, self.tried = 1.0, 1.0  # optimistic prior: a new class is tried first
-
-    def add(self, accepted: int, tried: int) -> None:
-        self.accepted = self.DECAY * self.accepted + accepted
-        self.tried = self.DECAY * self.tried + tried
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.tried

@@ -184,26 +184,49 @@ def test_adaptive_speculation_halves_k_per_class_and_retries_with_backoff():
     ctl = AdaptiveSpeculation(SpeculationConfig(4, min_acceptance=0.5, ema_decay=0.5, retry_after_steps=10))
     assert ctl.config.ladder == (1, 2, 4) and SpeculationConfig(3).ladder == (1, 3)
     ks = []
-    for step in range(1, 5):  # nothing accepted: rate 0.5, 0.25, 0.125, 0.0625
+    for step in range(1, 4):  # nothing accepted: rate (accepted / tried, halved each verify) 1/3, 1/7, 1/15
         ctl.update(f"a{step}", "code", ctl.k_for(f"a{step}", "code", None, step), 0, step)
         ks.append(ctl.class_k("code"))
-    assert ks == [4, 2, 1, 0]
+    assert ks == [2, 1, 0]
     assert ctl.k_for("b", "chat", None, step=5) == 4  # other classes keep speculating
-    assert ctl.k_for("c", "code", None, step=13) == 0
-    assert ctl.k_for("c", "code", None, step=14) == 1  # retried at K = 1, retry_after_steps after switching off
-    assert ctl.k_for("d", "code", 2, step=15) == 1  # a request's own cap does not raise it
-    ctl.update("c", "code", 1, 0, step=15)
-    ctl.update("c", "code", 1, 0, step=16)  # the retry fails: off again, and the next wait doubles
-    assert ctl.class_k("code") == 0
-    assert ctl.k_for("e", "code", None, step=16 + 19) == 0 and ctl.k_for("e", "code", None, step=16 + 20) == 1
+    assert ctl.k_for("c", "code", None, step=12) == 0
+    assert ctl.k_for("c", "code", None, step=13) == 1  # retried at K = 1, retry_after_steps after switching off
+    assert ctl.k_for("d", "code", 2, step=14) == 1  # a request's own cap does not raise it
+    ctl.update("c", "code", 1, 0, step=15)  # the retry starts from the prior (1 of 1) and fails: 1/3, off again
+    ctl.update("c", "code", 1, 0, step=16)
+    assert ctl.class_k("code") == 0  # and the next wait doubles
+    assert ctl.k_for("e", "code", None, step=15 + 19) == 0 and ctl.k_for("e", "code", None, step=15 + 20) == 1
     ks = []
     for step in range(37, 45):  # all accepted: K climbs the ladder every 4 verify steps
         ctl.update("e", "code", ctl.k_for("e", "code", None, step), 1, step)
         ks.append(ctl.class_k("code"))
     assert ks == [1, 1, 1, 2, 2, 2, 2, 4]
-    # The rate counts tried tokens (up to the first rejection): 2 accepted of 4 -> 2/3.
+    # The rate counts tried tokens (up to the first rejection): 2 accepted of 4 drafted -> 2 of 3, on the
+    # prior of 1 of 1 halved.
     ctl.update("f", "chat", 4, 2, step=50)
-    assert ctl.request_rate("f") == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert ctl.request_rate("f") == pytest.approx((0.5 + 2) / (0.5 + 3))
+
+
+def test_default_rates_ride_out_a_run_of_misses_but_not_a_proposal_that_never_accepts():
+    """With the defaults (min_acceptance 0.1, ema_decay 0.9), a class that has accepted half its tried tokens
+    keeps K through 15 verifies in a row that accept nothing, and a request arriving then starts from the
+    class's rate; a class that never accepts is off after 7 verifies."""
+    ctl = AdaptiveSpeculation(SpeculationConfig(4))
+    for step in range(100):  # alpha 0.5: every verify accepts 1 of 4, trying 2
+        ctl.update("old", "code", ctl.k_for("old", "code", None, step), 1, step)
+    assert ctl.class_k("code") == 4 and ctl.request_rate("old") == pytest.approx(0.5, abs=0.01)
+    for step in range(100, 115):
+        ctl.update("old", "code", ctl.k_for("old", "code", None, step), 0, step)
+    assert ctl.class_k("code") == 4 and ctl.k_for("old", "code", None, 115) == 4
+    ctl.update("new", "code", ctl.k_for("new", "code", None, 115), 0, 115)
+    # Its own rate is the class's (it started from it, and both saw the same verify), not 1/3 from the prior.
+    assert ctl.request_rate("new") == pytest.approx(ctl.classes["code"].rate) and ctl.request_rate("new") > 0.15
+    assert ctl.k_for("new", "code", None, 116) == 4
+    ks = []
+    for step in range(8):
+        ctl.update(f"n{step}", "never", ctl.k_for(f"n{step}", "never", None, step), 0, step)
+        ks.append(ctl.class_k("never"))
+    assert ks == [4] * 6 + [2, 1]
 
 
 def test_seeded_requests_adapt_on_their_own_history_only():
