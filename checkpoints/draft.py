@@ -152,6 +152,13 @@ def save_medusa(path: str | os.PathLike, params: dict[str, np.ndarray], target_n
         json.dump({"draft": record}, f, indent=2)
 
 
+def draft_path(name_or_path: str) -> str:
+    """The directory of a draft: a name from `draft_names()` or a path (`~` expanded); not checked."""
+    if name_or_path in draft_names():
+        return os.path.join(DRAFTS_DIR, name_or_path)
+    return os.path.expanduser(name_or_path)
+
+
 def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
     """Loads a draft for `target`: a name from `draft_names()` or a directory.
 
@@ -160,8 +167,7 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
     vocabulary (or, for a projected embedding, the target's hidden size) does
     not match the target's.
     """
-    path = os.path.join(DRAFTS_DIR, name_or_path) if name_or_path in draft_names() else os.path.expanduser(
-        name_or_path)
+    path = draft_path(name_or_path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no draft {name_or_path!r}: known drafts {draft_names()}, or give a directory "

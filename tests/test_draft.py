@@ -1,6 +1,8 @@
 """Draft models: the stored format (projected or shared embedding, partial output head) and the
 offline acceptance simulation used to evaluate drafts."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 from checkpoints import load_model
-from checkpoints.draft import load_draft, save_draft
+from checkpoints.draft import DRAFTS_DIR, draft_names, draft_path, load_draft, save_draft
 from checkpoints.resolve import random_params
 from training.distill import simulate_greedy
 from model.config import ModelConfig
@@ -70,6 +72,12 @@ def test_draft_errors(tmp_path):
     cfg = TINY_DRAFT.replace(head_vocab_size=4)
     with pytest.raises(ValueError, match="head_ids: need 4 distinct token ids below 256"):
         Llama(cfg, params={**random_params(TINY_DRAFT), "head_ids": np.array([1, 1, 2, 3])})
+
+
+def test_draft_path_resolves_bundled_names_before_directories():
+    assert "smollm2-135m-eagle" in draft_names()
+    assert draft_path("smollm2-135m-eagle") == os.path.join(DRAFTS_DIR, "smollm2-135m-eagle")
+    assert draft_path("~/heads/mine") == os.path.join(os.path.expanduser("~"), "heads", "mine")
 
 
 def test_simulated_speculation_counts():

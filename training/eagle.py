@@ -146,7 +146,7 @@ def train(workdir: str, config: EagleConfig) -> None:
     from flax import nnx
 
     from checkpoints import load_model
-    from checkpoints.draft import DRAFTS_DIR, draft_names, load_draft, save_draft
+    from checkpoints.draft import draft_path, load_draft, save_draft
     from model.eagle import FC, EagleHead
 
     def load(split):
@@ -166,8 +166,7 @@ def train(workdir: str, config: EagleConfig) -> None:
             raise ValueError(f"{config.init_from} is not an EAGLE head")
         cfg, init = loaded.config, {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32)
                                     for k, v in loaded.params.items()}
-        path = os.path.join(DRAFTS_DIR, config.init_from) if config.init_from in draft_names() else config.init_from
-        with open(os.path.join(path, "config.json")) as f:
+        with open(os.path.join(draft_path(config.init_from), "config.json")) as f:
             parent_training = json.load(f)["draft"].get("training")
     else:
         cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)))
