@@ -29,7 +29,9 @@ tokens per second for this batch, which is no drafting where speculation
 does not pay (a large batch, a class that rarely accepts); once it has held a
 request class at no drafts for `HOLD_STEPS` steps in a row, the class's
 requests stop keeping their draft state, so a device proposer's steps then
-cost what the target's alone do.
+cost what the target's alone do. Each step a class is held, its acceptance
+estimate relaxes toward the optimistic prior (`_Acceptance.relax`), so a
+held class is tried again on the requests that arrive later.
 
 Source: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling and the
 per-token acceptance rate alpha.
@@ -173,6 +175,9 @@ class Proposer:
             drafted[r.request_class] = drafted.get(r.request_class, 0) + d
         for c, d in drafted.items():
             self._held[c] = 0 if d else self._held.get(c, 0) + 1
+        # Without verifies a held class's alpha would never change, so a class held once would be held forever.
+        for key in {self.acceptance_key(r) for i, (_, _, r) in enumerate(rows) if i >= m or not cap}:
+            self._acceptance[key].relax()
         for _, _, r in rows:
             if self._held[r.request_class] >= HOLD_STEPS:
                 self.release(r)

@@ -278,3 +278,22 @@ def test_the_gate_cuts_trees_to_the_window_that_pays(window_ms, want):
     [r] = _decodes(1)
     p.begin_step([r], 0)
     assert p.draft_len(r, 0) == want
+
+
+def test_a_held_class_is_tried_again_and_held_again_on_fresh_misses():
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {"r0": 1})
+    _teach(p, "bad", [(2, 1)] + [(2, 0)] * 4)  # alpha 1/6
+    p.costs.observe(1, 1, None, 0.030)
+    p.costs.observe(2, 1, 2, 0.040)  # one draft pays when alpha > 1/3
+    r = _decodes(1, "bad")[0]
+    drafts = []
+    for step in range(100):
+        p.begin_step([r], step)
+        drafts.append(p.draft_len(r, step))
+        if drafts[-1]:
+            break
+    # Held while the evidence says 1/6; each held step relaxes alpha toward the prior until a draft pays.
+    assert drafts[:20] == [0] * 20 and drafts[-1] == 1 and 1 / 3 < p.alpha(r) < 0.4
+    p.record(r, 1, 0, len(drafts))  # the retry accepts nothing: held again
+    p.begin_step([r], len(drafts))
+    assert p.draft_len(r, len(drafts)) == 0 and p.alpha(r) < 1 / 3
