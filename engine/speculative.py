@@ -450,7 +450,9 @@ def _tree_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_
     nodes = token_ids[spec.verify_indices]  # [S, K+1], the root then the nodes
     out, num_emitted, path = verify_tree_coupled(choice[slot], nodes, spec.parents, spec.num_draft + 1)
     root = jnp.where((spec.num_draft > 0) & (batch.seq_lens > 0), batch.positions[batch.logits_indices], -1)
-    move = lambda x: move_path_kv(x, batch.block_tables, root, path)
+    # K = 0 accepts no node, so nothing moves. (XLA:CPU turns the one-slot scatter into a select over the
+    # whole pool, ~130 ms a pool on SmolLM2's, so it is left out of the program rather than run as a no-op.)
+    move = (lambda x: move_path_kv(x, batch.block_tables, root, path)) if K else (lambda x: x)
     pool = KVPool(move(pool.k), move(pool.v))
     # Emitted token j comes from node path[j - 1] (the root for j = 0): log-probabilities on the compact
     # rows, each row scoring the token emitted from its node, then gathered per emitted slot.
