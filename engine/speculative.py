@@ -270,7 +270,16 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
             return jax.lax.top_k(jax.nn.log_softmax(head.logits(h.reshape(-1, h.shape[-1])), axis=-1), k)
 
         single = _single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last], budget > 0)
-        prev = _features_before(features, batch.block_tables, rows, last_pos)
+        # The pool's feature before each row's first step token (that token's feature input; a drafting decode
+        # row starts with its root), read here only: a read after this step's writes made XLA:CPU copy the
+        # pool twice, ~20 ms a step. The conditional (always true) keeps XLA from fusing the read into the last
+        # head pass, after the writes.
+        first = jnp.minimum(batch.query_start_loc[:-1], T - 1)
+        first_prev = jax.lax.cond(T > last[0], lambda: _features_before(features, batch.block_tables, rows,
+                                                                         batch.positions[first]),
+                                  lambda: jnp.zeros((S, features.f.shape[-1]), features.f.dtype))
+        prev = jnp.where((first == last)[:, None], first_prev,
+                         _features_before(features, batch.block_tables, rows, last_pos))
         h, head_pool = head(single.token_ids, prev, single.positions, paged_attend(single, attention), head_pool)
         score, tok = confidence(h)  # [S, k]: level 1, all of them expanded next
         # Candidates in level order: token, confidence, parent candidate (-1: the root), depth.
@@ -350,9 +359,12 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
                             parents=jnp.where((budget > 0)[:, None], parents, spec.parents), tree_mask=tree_mask)
         sampled, num_emitted, pool, hidden, move = _tree_verify(target, pool, batch, spec, token_ids, K, attention)
         B = features.f.shape[2]
-        f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
         token_rows = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(T), side="right") - 1, 0, S - 1)
-        prev = _features_before(FeaturePool(f), batch.block_tables, token_rows, batch.positions)
+        f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
+        # Each token's feature input is the hidden state at the position before it: the step's own token before
+        # it in its row, else (a row's first token) the pool's, read above.
+        starts_row = jnp.arange(T) == batch.query_start_loc[token_rows]
+        prev = jnp.where(starts_row[:, None], first_prev[token_rows], jnp.roll(hidden, 1, axis=0).astype(f.dtype))
         # A tree node's feature input is its parent's hidden state, not the one at the slot before it.
         parent_at = jnp.where(is_node[:, 1:], last[:, None] + parents[:, 1:], 0)
         prev = prev.at[at[:, 1:]].set(hidden[parent_at].astype(prev.dtype), mode="drop")
