@@ -100,8 +100,8 @@ class _Acceptance:
     def relax(self) -> None:
         """One step in which the cost gate gave this estimate's class no drafts (so no verify updates it): the
         past decays toward the optimistic prior of 1 accepted of 1 tried. A class the gate holds is tried
-        again once that prior outweighs the evidence (at decay 0.95, about 50 steps after an alpha of 0.25
-        seen over the last 20 verifies), and one verify of fresh evidence outweighs the prior again."""
+        again once the prior outweighs the evidence (at decay 0.95, an estimate of 0.24 over the last 40
+        verifies is back at 0.5 after 46 held steps), and fresh verifies soon outweigh the prior again."""
         self.accepted = self.decay * self.accepted + (1 - self.decay)
         self.tried = self.decay * self.tried + (1 - self.decay)
 

@@ -176,7 +176,8 @@ class Proposer:
         for c, d in drafted.items():
             self._held[c] = 0 if d else self._held.get(c, 0) + 1
         # Without verifies a held class's alpha would never change, so a class held once would be held forever.
-        for key in {self.acceptance_key(r) for i, (_, _, r) in enumerate(rows) if i >= m or not cap}:
+        held = {self.acceptance_key(r) for _, _, r in rows} - {self.acceptance_key(r) for _, _, r in rows[:m] if cap}
+        for key in held:
             self._acceptance[key].relax()
         for _, _, r in rows:
             if self._held[r.request_class] >= HOLD_STEPS:
