@@ -248,7 +248,7 @@ class Engine:
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
-        elif plan.seqs and self.proposer is not None:
+        elif plan.seqs and self.proposer is not None and self.proposer.costs is not None:
             work = sum(attention_pairs(s.start, s.num_new_tokens) for s in plan.seqs)
             self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, work)
         if plan.seqs and self.on_step is not None:

@@ -243,6 +243,7 @@ def test_seeded_requests_adapt_on_their_own_history_only():
 def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     unrelated = _model(seed=7, scale=4.0)
     engine = Engine(target, CFG, draft=unrelated, speculation=SpeculationConfig(4, retry_after_steps=10**6))
+    engine.proposer.costs = None  # the policy's floor alone: the cost gate's choices depend on measured timings
     ks = []
     engine.on_step = lambda timing: ks.append(timing.spec_k)
     greedy = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
@@ -250,7 +251,7 @@ def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
     assert engine.proposer.policy.class_k("default") == 0
     assert all(o.num_draft_tokens < 4 * 4 for o in outs)  # off after a few verify steps
-    assert 4 in ks and set(ks) <= {None, 0, 1, 2, 4}  # K = 4 was tried, then halved or gated off
+    assert 4 in ks and set(ks) <= {None, 0, 1, 2, 4}  # K = 4 was tried, then halved
     # Once off, steps run the target alone (the draft is skipped) and the requests stay off.
     assert ks[-10:] == [None] * 10 and ks.count(None) > len(ks) // 2
     ks.clear()
