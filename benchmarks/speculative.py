@@ -69,6 +69,9 @@ flags.DEFINE_list("proposers", ["eagle", "ngram"], "Proposers to measure (the `s
 flags.DEFINE_integer("tree_nodes", 12, "Nodes of an ngram-tree / medusa-tree / eagle-tree proposal.")
 flags.DEFINE_integer("tree_branching", 4, "eagle-tree: children per expanded node, nodes expanded per level.")
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
+flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
+                  "The target's CPU kernel weights, in the plain and the speculative engines alike (default: "
+                  "the model's dtype; bfloat16 on an AMX CPU runs every product on AMX tiles).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's / head's weights in the CPU kernel (default: their dtype).")
 flags.DEFINE_bool("require_equal", True, "Greedy: stop when a speculative output differs from the target's "
@@ -216,7 +219,8 @@ def main(argv):
     mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
     print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, {os.cpu_count()} "
           f"CPUs, fp32, {mode}, {FLAGS.max_tokens} tokens/request)\n")
-    plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512)
+    plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512,
+                    kernel_dtype=FLAGS.kernel_dtype)
     costs = _window_costs(plain_llm)
     print("Target step time by tokens in the step (one sequence; a verify window is K+1 tokens, padded to a "
           "power of two):\n")
@@ -232,8 +236,8 @@ def main(argv):
         kind = name.removesuffix("-tree")
         if kind != name:
             kw.update(num_tree_nodes=FLAGS.tree_nodes, tree_branching=FLAGS.tree_branching)
-        return LLM(target, speculative=kind, draft_model=heads.get(kind), draft_kernel_dtype=FLAGS.draft_kernel_dtype,
-                   **kw)
+        return LLM(target, speculative=kind, draft_model=heads.get(kind), kernel_dtype=FLAGS.kernel_dtype,
+                   draft_kernel_dtype=FLAGS.draft_kernel_dtype, **kw)
 
     spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
                  for name in FLAGS.proposers for k in ks}

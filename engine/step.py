@@ -30,10 +30,12 @@ from scheduler.request import MAX_LOGPROBS
 # Measured on the 2-core development machine (benchmarks/cpu_matmul.py): the kernel takes 0.69x XLA's
 # time at T = 16, 0.77x at T = 32 and 0.88x at T = 64.
 SKINNY_MAX_ROWS = 64
-# Where the CPU has AMX, products over more tokens than this use the AMX kernel instead: at T = 32 it takes
-# 0.4-0.7x the skinny kernel's time (3 passes, SmolLM2's projections), at T = 16 about the same, at T = 8
-# 1.1-1.5x (benchmarks/cpu_matmul.py).
-AMX_SKINNY_MAX_ROWS = 16
+# Where the CPU has AMX, products over more tokens than this use the AMX kernel instead, by kernel weight
+# dtype. SmolLM2-135M's whole step over T tokens of one sequence (AMX Xeon, 2 cores, ms at T = 1 / 2 / 4 /
+# 8 / 16): fp32 skinny 24.3 / 27.1 / 29.6 / 34.4 / 43.4, AMX 3 passes 29.6 / 30.9 / 31.6 / 32.4 / 33.4;
+# bf16 skinny 16.4 / 19.5 / 21.0 / 26.7 / 34.8, AMX 1 pass 15.1 / 15.6 / 15.5 / 16.7 / 16.5. So bf16 runs
+# every product on AMX (a 16-token verify window then costs about one decode step), fp32 from 9 rows.
+AMX_SKINNY_MAX_ROWS = {"float32": 8, "bfloat16": 0}
 
 
 # Steps of at most this many tokens (the default token budget) use the native CPU attention kernel; larger
@@ -90,7 +92,7 @@ def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | No
         dtype = kernel_dtype or loaded.config.dtype
         # bf16 kernel weights: one bf16 pass; fp32: three (close to fp32); int8 (a draft kept small): none.
         if cpu_kernels.amx_available() and dtype != "int8":
-            packed = model.pack_linears(dtype, AMX_SKINNY_MAX_ROWS, 1 if dtype == "bfloat16" else 3)
+            packed = model.pack_linears(dtype, AMX_SKINNY_MAX_ROWS[dtype], 1 if dtype == "bfloat16" else 3)
         else:
             packed = model.pack_linears(dtype, SKINNY_MAX_ROWS)
     graphdef, state = nnx.split(model)

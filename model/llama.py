@@ -112,13 +112,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
 
 
-def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None) -> int:
+def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None, skinny: bool = True) -> int:
     """Stores `owner`'s weight `name` (`w` `[K, N]`) in the skinny kernel's panels (`{name}_panels`,
-    `{name}_scales`) and, with `amx_passes`, in AMX tiles (`{name}_amx_hi`, `{name}_amx_lo`); returns their bytes."""
-    p = cpu_kernels.pack(w, dtype)
-    setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
-    setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
-    total = p.nbytes
+    `{name}_scales`) when `skinny` and, with `amx_passes`, in AMX tiles (`{name}_amx_hi`, `{name}_amx_lo`);
+    returns their bytes."""
+    total = 0
+    if skinny:
+        p = cpu_kernels.pack(w, dtype)
+        setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
+        setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
+        total += p.nbytes
     if amx_passes is not None:
         a = cpu_kernels.pack_amx(w, amx_passes)
         setattr(owner, f"{name}_amx_hi", nnx.Variable(a.hi))
@@ -297,7 +300,8 @@ class Llama(nnx.Module):
         then on products over at most `max_rows` tokens use the skinny kernel (`cpu_kernels.pack`, weights
         in `dtype`: "float32", "bfloat16" or "int8"), larger ones the AMX kernel when `amx_passes` is given
         (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 1, bf16), else XLA's dot on the original weights
-        (the choice is made at trace time from static shapes).
+        (the choice is made at trace time from static shapes). `max_rows` 0 with `amx_passes` puts every
+        product on AMX and keeps no skinny copy.
 
         Returns the bytes the packed copies take. Call before `nnx.split`. Raises ValueError on a tensor
         parallel model (the kernels take whole weights on one device).
@@ -307,14 +311,15 @@ class Llama(nnx.Module):
         total = 0
         for lp in self.layers:
             for name in self.LINEARS:
-                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes)
+                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes,
+                                     max_rows > 0)
         if self.cfg.head_vocab_size:
             head = np.asarray(self.head[...], np.float32).T
         elif self.cfg.tie_word_embeddings:
             head = np.asarray(self.embed[...], np.float32).T
         else:
             head = np.asarray(self.lm_head[...], np.float32)
-        total += keep_packed(self, "head", head, dtype, amx_passes)
+        total += keep_packed(self, "head", head, dtype, amx_passes, max_rows > 0)
         self.skinny_rows = max_rows
         return total
 

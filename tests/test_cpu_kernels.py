@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpu_kernels as ck
+from flax import nnx
 from engine import LLM, SamplingParams
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.test_pallas_attention import TOL, make_batch, ragged_batches
@@ -223,6 +224,30 @@ def test_engine_uses_amx_for_wide_products_and_avx512_switch_turns_it_off(monkey
     env = {**os.environ, "JSE_CPU_ISA": "avx512", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@amx
+def test_bf16_kernel_weights_run_every_product_on_amx(monkeypatch):
+    """With bf16 kernel weights every product, a 1-token decode step's included, is an AMX product (a verify
+    window then costs about a decode step) and no skinny copy is kept; the logits stay within bf16 rounding
+    of the fp32 XLA-dot engine's."""
+    traced = []
+    real = ck.amx_matmul
+    monkeypatch.setattr(ck, "amx_matmul", lambda x, p: traced.append(x.shape[0]) or real(x, p))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    amx_llm = LLM("tiny-llama", kernel_dtype="bfloat16", **LIMITS)
+    state = jax.tree.unflatten(amx_llm.engine.runner.state.treedef, amx_llm.engine.runner.state.leaves)
+    names = {str(k) for path, _ in nnx.to_flat_state(state) for k in path}
+    assert "wqkv_amx_hi" in names and "head_amx_hi" in names and not any(n.endswith("_panels") for n in names)
+    got = amx_llm.generate(PROMPTS[:2], sp)
+    assert {2, 16} <= set(traced)  # the two prompts' decode steps, and their prefill (16 tokens)
+    want = LLM("tiny-llama", matmul="xla", **LIMITS).generate(PROMPTS[:2], sp)
+    for x, y in zip(got, want):
+        assert x.token_ids == y.token_ids
+        for ex, ey in zip(x.logprobs, y.logprobs):
+            common = sorted(set(ex) & set(ey))
+            assert len(common) >= 4
+            np.testing.assert_allclose([ex[t] for t in common], [ey[t] for t in common], atol=2e-2)
 
 
 # ---- scoring's log-softmax reduction --------------------------------------------------------------------
