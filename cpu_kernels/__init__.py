@@ -9,10 +9,11 @@ memory once and keeps `rows x 16` accumulators in vector registers
 bfloat16 (half the bytes) or int8 with a per-output-column scale (a quarter);
 accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
 
-`amx_matmul(x, w)`: the same product for many rows (prefill chunks, scoring,
-large decode batches) on Intel AMX tiles, with W packed once by `pack_amx(w,
-passes)` into bf16 tiles (`AmxWeight`); 3 passes keep close to fp32 (the
-bf16x3 split), 1 pass is a bf16 product (`amx_matmul.cc`); `amx_head_log_softmax`
+`amx_matmul(x, w)`: the same product on Intel AMX tiles (every product of
+bf16 kernel weights, the wide ones of fp32), with W packed once by
+`pack_amx(w, passes)` into bf16 tiles (`AmxWeight`) and x split into bf16 hi
+and lo parts; 3 passes keep close to fp32 (the bf16x3 split), 2 are bf16
+weights times ~fp32 activations (`amx_matmul.cc`); `amx_head_log_softmax`
 fuses the output head with scoring's reduction.
 `amx_matmul_reference` is its plain-jnp reference. `amx_available()` says
 whether this CPU and OS allow AMX.
@@ -132,7 +133,7 @@ class AmxWeight:
 
     hi: bfloat16 `[Np / 16, Kp / 32, 16, 32]`, W rounded to bf16 (Kp, Np: K and N
       padded with zeros to multiples of 32).
-    lo: bfloat16, the same shape, W - hi rounded to bf16 (3 passes), or `[0]` (1 pass).
+    lo: bfloat16, the same shape, W - hi rounded to bf16 (3 passes), or `[0]` (2 passes).
     n: N, the real number of output columns (static).
     """
 
@@ -147,9 +148,10 @@ class AmxWeight:
 
 def pack_amx(w, passes: int = 3) -> AmxWeight:
     """Packs W `[K, N]` (any float array) into AMX tiles: `passes` 3 keeps W as hi + lo bf16 parts (close to
-    fp32), 1 as bf16 alone. Raises ValueError for another `passes` or a non-2-D weight."""
-    if passes not in (1, 3):
-        raise ValueError(f"amx passes must be 1 or 3, got {passes!r}")
+    fp32), 2 as bf16 alone (x's hi and lo parts each make a pass). Raises ValueError for another `passes` or a
+    non-2-D weight."""
+    if passes not in (2, 3):
+        raise ValueError(f"amx passes must be 2 or 3, got {passes!r}")
     w = np.asarray(w, np.float32)
     if w.ndim != 2:
         raise ValueError(f"pack_amx wants a [K, N] weight, got shape {w.shape}")
@@ -179,13 +181,11 @@ def amx_matmul_reference(x: jax.Array, p: AmxWeight) -> jax.Array:
     x = x.astype(jnp.float32)
     k = x.shape[1]
     x_hi = x.astype(jnp.bfloat16).astype(jnp.float32)
+    x_lo = (x - x_hi).astype(jnp.bfloat16).astype(jnp.float32)
     hi = unpack_amx(AmxWeight(p.hi, jnp.zeros(0, jnp.bfloat16), p.n), k)
     dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
-    if not p.lo.size:
-        return dot(x_hi, hi)
-    lo = unpack_amx(p, k) - hi
-    x_lo = (x - x_hi).astype(jnp.bfloat16).astype(jnp.float32)
-    return dot(x_hi, hi) + dot(x_lo, hi) + dot(x_hi, lo)
+    y = dot(x_hi, hi) + dot(x_lo, hi)
+    return y + dot(x_hi, unpack_amx(p, k) - hi) if p.lo.size else y
 
 
 def amx_matmul(x: jax.Array, p: AmxWeight) -> jax.Array:

@@ -10,10 +10,12 @@
 // (panel, k chunk) tile is 1 KiB contiguous. Each call splits x into bf16 once, then every thread takes
 // 32-column blocks of y and runs all 32-row blocks of x through them: 2 x 2 C tiles, 2 A tiles, 2 B tiles.
 //
-// Precision: with `lo` given (3 passes), x = x_hi + x_lo and W = W_hi + W_lo in bf16, and
-// y = x_hi W_hi + x_hi W_lo + x_lo W_hi with f32 sums (the "bf16x3" split of fp32 products): each product
-// is within ~2^-16 of its f32 value, close to an fp32 GEMM at 3 passes' cost. With `lo` empty (1 pass), x
-// and W are bf16-rounded (W already is: the engine's bfloat16 kernel weights).
+// Precision: x is always split, x = x_hi + x_lo in bf16 (x is then kept to ~2^-17, as an fp32 activation
+// nearly is). With `lo` given (3 passes), W = W_hi + W_lo and y = x_hi W_hi + x_lo W_hi + x_hi W_lo with f32
+// sums (the "bf16x3" split of fp32 products): each product is within ~2^-16 of its f32 value, close to an
+// fp32 GEMM. With `lo` empty (2 passes), W is bf16 (the engine's bfloat16 kernel weights) and y = x_hi W +
+// x_lo W: the skinny kernel's bf16-weight numerics. Rounding x to bf16 alone would turn the 1e-7 differences
+// in attention between a decode step and a verify window into 2^-9 ones, and greedy tokens would diverge.
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -72,7 +74,7 @@ bool amx_usable() {
 
 const bool kAmx = amx_usable();
 
-// x [T, K] f32 -> hi (and lo) [Mp, Kp] bf16, rows [row_begin, row_end) (rows past T and columns past K: zeros).
+// x [T, K] f32 -> hi and lo [Mp, Kp] bf16, rows [row_begin, row_end) (rows past T and columns past K: zeros).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void split_rows(const float* x, int64_t T, int64_t K,
                                                                                 int64_t Kp, uint16_t* hi, uint16_t* lo,
                                                                                 int64_t row_begin, int64_t row_end) {
@@ -84,11 +86,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void split_rows(
       const __m512 v = _mm512_maskz_loadu_ps(m, src + k);
       const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + t * Kp + k), h);
-      if (lo != nullptr) {
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t * Kp + k),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
-      }
+      const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + t * Kp + k),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf)));
     }
   }
 }
@@ -136,31 +136,52 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void run_blocks(const Opera
       _tile_zero(2);
       _tile_zero(3);
       const uint16_t* a = o.a_hi + row * o.Kp;
-      const uint16_t* al = o.a_lo ? o.a_lo + row * o.Kp : nullptr;
-      for (int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(4, a + c * kTileK, lda);
-        _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
-        _tile_loadd(6, b0 + c * kTileElems, 64);
-        _tile_loadd(7, b0 + panel + c * kTileElems, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        if (al != nullptr) {  // x_lo W_hi, then x_hi W_lo
-          _tile_loadd(4, al + c * kTileK, lda);
+      const uint16_t* al = o.a_lo + row * o.Kp;
+      // A block of at most 16 real rows (a decode step, a verify window) leaves the lower C tiles at zero:
+      // half the tile products, which a 2-pass product over few rows is bound by.
+      if (nrows > 16) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          _tile_loadd(4, a + c * kTileK, lda);
+          _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
+          _tile_loadd(6, b0 + c * kTileElems, 64);
+          _tile_loadd(7, b0 + panel + c * kTileElems, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+          _tile_loadd(4, al + c * kTileK, lda);  // x_lo W_hi
           _tile_loadd(5, al + 16 * o.Kp + c * kTileK, lda);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
+          if (l0 != nullptr) {  // x_hi W_lo
+            _tile_loadd(4, a + c * kTileK, lda);
+            _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
+            _tile_loadd(6, l0 + c * kTileElems, 64);
+            _tile_loadd(7, l0 + panel + c * kTileElems, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+      } else {
+        for (int64_t c = 0; c < chunks; ++c) {
           _tile_loadd(4, a + c * kTileK, lda);
-          _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
-          _tile_loadd(6, l0 + c * kTileElems, 64);
-          _tile_loadd(7, l0 + panel + c * kTileElems, 64);
+          _tile_loadd(5, al + c * kTileK, lda);
+          _tile_loadd(6, b0 + c * kTileElems, 64);
+          _tile_loadd(7, b0 + panel + c * kTileElems, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          _tile_dpbf16ps(0, 5, 6);  // x_lo W_hi
+          _tile_dpbf16ps(1, 5, 7);
+          if (l0 != nullptr) {  // x_hi W_lo
+            _tile_loadd(6, l0 + c * kTileElems, 64);
+            _tile_loadd(7, l0 + panel + c * kTileElems, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+          }
         }
       }
       if (o.reduce == nullptr && nrows == kBlock && ncols == kBlock) {
@@ -221,9 +242,9 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, cons
   const int64_t Mp = (T + kBlock - 1) / kBlock * kBlock;
   const size_t plane = static_cast<size_t>(Mp * Kp);
   static thread_local std::vector<uint16_t> scratch;  // the caller's, kept: a fresh buffer costs page faults
-  if (scratch.size() < (w_lo ? 2 : 1) * plane) scratch.resize((w_lo ? 2 : 1) * plane);
+  if (scratch.size() < 2 * plane) scratch.resize(2 * plane);
   uint16_t* a_hi = scratch.data();
-  uint16_t* a_lo = w_lo ? a_hi + plane : nullptr;
+  uint16_t* a_lo = a_hi + plane;
   const Operands o{a_hi, a_lo, w_hi, w_lo, y, reduce, T, N, Mp, Kp};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()), blocks = (N + kBlock - 1) / kBlock;
   const int64_t group = GroupSize(pool, N), groups = (blocks + group - 1) / group;
@@ -326,7 +347,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JseAmxMatmul, AmxMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [T, K]
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w_hi [Np/16, Kp/32, 16, 32]
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_lo: the same shape (3 passes) or [0] (1 pass)
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w_lo: the same shape (3 passes) or [0] (2 passes)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [T, N]
 );
 

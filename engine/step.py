@@ -30,12 +30,11 @@ from scheduler.request import MAX_LOGPROBS
 # Measured on the 2-core development machine (benchmarks/cpu_matmul.py): the kernel takes 0.69x XLA's
 # time at T = 16, 0.77x at T = 32 and 0.88x at T = 64.
 SKINNY_MAX_ROWS = 64
-# Where the CPU has AMX, products over more tokens than this use the AMX kernel instead, by kernel weight
-# dtype. SmolLM2-135M's whole step over T tokens of one sequence (AMX Xeon, 2 cores, ms at T = 1 / 2 / 4 /
-# 8 / 16): fp32 skinny 24.3 / 27.1 / 29.6 / 34.4 / 43.4, AMX 3 passes 29.6 / 30.9 / 31.6 / 32.4 / 33.4;
-# bf16 skinny 16.4 / 19.5 / 21.0 / 26.7 / 34.8, AMX 1 pass 15.1 / 15.6 / 15.5 / 16.7 / 16.5. So bf16 runs
-# every product on AMX (a 16-token verify window then costs about one decode step), fp32 from 9 rows.
-AMX_SKINNY_MAX_ROWS = {"float32": 8, "bfloat16": 0}
+# Where the CPU has AMX, every product runs on it (tiles of 16 rows for up to 16 tokens): SmolLM2-135M's
+# whole step over T tokens of one sequence (AMX Xeon, 2 cores, ms at T = 1 / 2 / 4 / 8 / 16), fp32 skinny
+# 22.8 / 24.9 / 27.0 / 33.0 / 42.2, AMX 3 passes 22.1 / 22.6 / 22.6 / 23.1 / 23.4; bf16 skinny 16.4 / 19.5 /
+# 21.0 / 26.7 / 34.8, AMX 2 passes 14.3 / 15.6 / 14.7 / 15.3 / 15.6. A 16-token verify window then costs
+# about one decode step.
 
 
 # Steps of at most this many tokens (the default token budget) use the native CPU attention kernel; larger
@@ -80,9 +79,9 @@ class Weights:
 
 def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
-    (a `LoadedModel`), with the CPU kernel's packed weights when
-    `config.matmul` (an `EngineConfig`) is "auto" on CPU and the kernel loads (`kernel_dtype`: their dtype, default the
-    model's), and AMX copies where the CPU has AMX. With `mesh` (a target under tensor parallelism) the `Llama`'s
+    (a `LoadedModel`), with the CPU kernels' packed weights when `config.matmul` (an `EngineConfig`) is "auto" on CPU
+    and the kernels load (`kernel_dtype`: their dtype, default the model's): AMX copies alone where the CPU has AMX
+    (every product on AMX tiles), else the skinny kernel's. With `mesh` (a target under tensor parallelism) the `Llama`'s
     weights are split over it and XLA's dot runs the products. Returns (graphdef, `Weights` of the state, bytes of
     the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
@@ -90,9 +89,9 @@ def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | No
     packed = 0
     if mesh is None and config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
         dtype = kernel_dtype or loaded.config.dtype
-        # bf16 kernel weights: one bf16 pass; fp32: three (close to fp32); int8 (a draft kept small): none.
+        # bf16 kernel weights: two passes (bf16 W); fp32: three (close to fp32); int8 (a draft kept small): none.
         if cpu_kernels.amx_available() and dtype != "int8":
-            packed = model.pack_linears(dtype, AMX_SKINNY_MAX_ROWS[dtype], 1 if dtype == "bfloat16" else 3)
+            packed = model.pack_linears(dtype, 0, 2 if dtype == "bfloat16" else 3)
         else:
             packed = model.pack_linears(dtype, SKINNY_MAX_ROWS)
     graphdef, state = nnx.split(model)

@@ -299,7 +299,7 @@ class Llama(nnx.Module):
         """Keeps a copy of every projection and of the output head in the native CPU kernels' layouts; from
         then on products over at most `max_rows` tokens use the skinny kernel (`cpu_kernels.pack`, weights
         in `dtype`: "float32", "bfloat16" or "int8"), larger ones the AMX kernel when `amx_passes` is given
-        (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 1, bf16), else XLA's dot on the original weights
+        (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 2, bf16 weights), else XLA's dot on the original weights
         (the choice is made at trace time from static shapes). `max_rows` 0 with `amx_passes` puts every
         product on AMX and keeps no skinny copy.
 

@@ -157,12 +157,12 @@ def test_amx_is_available_on_an_amx_cpu():
 @amx
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 80), K=st.sampled_from([16, 48, 100, 576]), N=st.sampled_from([16, 37, 64, 200, 1000]),
-       passes=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+       passes=st.sampled_from([2, 3]), seed=st.integers(0, 2**16))
 def test_amx_equals_reference_and_the_f64_product(T, K, N, passes, seed):
     """Every shape (T, K and N off the 32-multiples included) against the reference (the same bf16 parts,
     summed by jnp.dot: fp32-level agreement), and against the exact product: 3 passes within 2**-15 of
-    |x| @ |W| elementwise (each of x and W is kept to 2**-17 by its hi + lo parts), 1 pass within 2**-7
-    (both rounded to bf16, 2**-9 each)."""
+    |x| @ |W| elementwise (each of x and W is kept to 2**-17 by its hi + lo parts), 2 passes within 2**-8
+    (W rounded to bf16, 2**-9; x still kept to 2**-17)."""
     rng = np.random.default_rng(seed)
     w = rng.normal(0, 0.05, (K, N)).astype(np.float32)
     x = rng.normal(0, 1, (T, K)).astype(np.float32)
@@ -173,7 +173,7 @@ def test_amx_equals_reference_and_the_f64_product(T, K, N, passes, seed):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * np.abs(want).max())
     exact = x.astype(np.float64) @ w.astype(np.float64)
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
-    assert np.all(np.abs(got - exact) <= (2.0**-15 if passes == 3 else 2.0**-7) * scale + 1e-6)
+    assert np.all(np.abs(got - exact) <= (2.0**-15 if passes == 3 else 2.0**-8) * scale + 1e-6)
 
 
 @amx
@@ -190,24 +190,24 @@ def test_amx_rows_do_not_depend_on_batch_mates():
 
 
 def test_pack_amx_round_trip_and_bad_input():
-    """hi + lo keep W to 2**-17 relative (3 passes); 1 pass is W rounded to bf16 exactly."""
+    """hi + lo keep W to 2**-17 relative (3 passes); 2 passes keep W rounded to bf16 exactly."""
     w = np.random.default_rng(0).normal(0, 1, (40, 70)).astype(np.float32)
     three = ck.pack_amx(w, 3)
     assert three.hi.shape == (96 // 16, 64 // 32, 16, 32) and three.lo.shape == three.hi.shape  # K, N padded to 32s
     assert np.all(np.abs(np.asarray(ck.unpack_amx(three, 40)) - w) <= 2.0**-17 * np.abs(w))
-    one = ck.pack_amx(w, 1)
+    one = ck.pack_amx(w, 2)
     assert one.lo.size == 0 and one.nbytes == three.nbytes // 2
     np.testing.assert_array_equal(np.asarray(ck.unpack_amx(one, 40)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
     with pytest.raises(ValueError, match="passes"):
-        ck.pack_amx(w, 2)
+        ck.pack_amx(w, 1)
     with pytest.raises(ValueError, match="shape"):
         ck.pack_amx(np.ones(4))
 
 
 @amx
-def test_engine_uses_amx_for_wide_products_and_avx512_switch_turns_it_off(monkeypatch):
-    """The engine's step programs call the AMX kernel (prefill chunks over 16 tokens) where it is available,
-    and JSE_CPU_ISA=avx512 (a fresh process) keeps the skinny kernel and XLA's dot only."""
+def test_engine_runs_every_product_on_amx_and_avx512_switch_turns_it_off(monkeypatch):
+    """The engine's step programs call the AMX kernel for every product (decode steps and prefill chunks)
+    where it is available, and JSE_CPU_ISA=avx512 (a fresh process) keeps the skinny kernel and XLA's dot only."""
     import os
     import subprocess
     import sys
@@ -217,7 +217,7 @@ def test_engine_uses_amx_for_wide_products_and_avx512_switch_turns_it_off(monkey
     llm = LLM("tiny-llama", **LIMITS)
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([PROMPTS[3]], greedy)  # a 40-token prefill: the 64-token bucket
-    assert traced and min(traced) > 16 and 64 in traced
+    assert {1, 64} <= set(traced)
     script = ("import cpu_kernels as ck\n"
               "assert ck.available() and not ck.amx_available()\n"
               "print('ok')\n")
@@ -272,7 +272,7 @@ def test_log_softmax_gather_equals_reference(T, V):
 
 
 @amx
-@pytest.mark.parametrize("T,N,passes", [(17, 100, 3), (64, 2000, 3), (40, 49152, 1)])
+@pytest.mark.parametrize("T,N,passes", [(17, 100, 3), (64, 2000, 3), (40, 49152, 2)])
 def test_amx_head_log_softmax_equals_the_unfused_pair(T, N, passes):
     """The fused head + reduction equals the AMX product followed by the reduction kernel: the argmax exactly
     (the same logits, bitwise), the log-probabilities within 2e-6 (the vocabulary is summed in groups),
