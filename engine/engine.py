@@ -403,7 +403,7 @@ def _proposer(draft, speculation: SpeculationConfig | None, target_config, confi
     if speculation.method == "eagle":
         return EagleProposer(draft, speculation, target_config, config)
     if speculation.method == "medusa":
-        return MedusaProposer(draft, speculation, target_config)
+        return MedusaProposer(draft, speculation, target_config, config)
     return DraftModelProposer(draft, speculation, target_config.vocab_size, config)
 
 

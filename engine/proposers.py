@@ -46,7 +46,7 @@ from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, 
                              expected_accepted)
 from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, make_eagle_tree_step, make_medusa_step,
                                 make_spec_step)
-from engine.step import KVPool, Weights, build_model, kv_bytes_per_block
+from engine.step import KVPool, Weights, build_model, kernel_layout, kv_bytes_per_block
 from model import medusa
 from model.eagle import FC
 from scheduler.packing import tree_depths
@@ -455,6 +455,8 @@ class MedusaProposer(DraftModelProposer):
       heads: a `checkpoints.LoadedModel` with `model.medusa.W` in its params (`checkpoints.draft.load_draft`).
       config: the tree (`tree_nodes`), its depth cap (`num_speculative_tokens`) and the adaptive settings.
       target_config: the target's `ModelConfig`.
+      engine_config: the `EngineConfig`; on CPU the heads' products then run in the native kernels, with
+        weights in its `draft_kernel_dtype` (`engine.step.kernel_layout`). None: XLA's dot.
     Raises:
       ValueError: not Medusa heads, heads of another width, or more tree nodes than the heads can fill.
     """
@@ -462,11 +464,13 @@ class MedusaProposer(DraftModelProposer):
     kind = "medusa"
     output_independent = True
 
-    def __init__(self, heads, config: SpeculationConfig, target_config):
+    def __init__(self, heads, config: SpeculationConfig, target_config, engine_config=None):
         if medusa.W not in heads.params:
             raise ValueError(f"{heads.config.name} are not Medusa heads (no {medusa.W})")
         Proposer.__init__(self, config)
         module = medusa.MedusaHeads(target_config, heads.params)
+        layout = engine_config and kernel_layout(engine_config, engine_config.draft_kernel_dtype or target_config.dtype)
+        self.packed_bytes = module.pack_linears(*layout) if layout else 0
         self.model_config = target_config
         graphdef, state = nnx.split(module)
         self.graphdef, self.state = graphdef, Weights.of(state)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import cpu_kernels
+
 # Largest logits read to settle top-k and top-p without a sort.
 CANDIDATES = 256
 # Tokens per block of the two-level inverse CDF.
@@ -146,6 +148,16 @@ def draw(scores: jax.Array, keys: jax.Array) -> jax.Array:
     return b * _BLOCK + j
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """int32 `[...]`: the argmax over the last axis of float32 `logits` `[..., V]`, the lowest index among equal
+    maxima. On an AVX-512 CPU the native log-softmax kernel's (`cpu_kernels.log_softmax_gather`: one threaded
+    pass, 0.11 ms for 16 x 49,152 logits where XLA's reduction takes 1.2 ms), else `jnp.argmax`."""
+    if jax.default_backend() == "cpu" and cpu_kernels.cpu_features() == "avx512":
+        rows = logits.reshape(-1, logits.shape[-1])
+        return cpu_kernels.log_softmax_gather(rows, jnp.zeros(rows.shape[0], jnp.int32))[1].reshape(logits.shape[:-1])
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
            min_p: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
     """Draws one token per row.
@@ -159,7 +171,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     Returns:
       int32 `[S]` token ids.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def stochastic():
         t = jnp.where(temperature > 0, temperature, 1.0)

@@ -77,6 +77,19 @@ class Weights:
         return jax.tree.unflatten(treedef, leaves)
 
 
+def kernel_layout(config, dtype: str) -> tuple[str, int, int | None] | None:
+    """How a model's products run under `config` (an `EngineConfig`) with kernel weights in `dtype`: the
+    arguments of `Llama.pack_linears` (dtype, skinny kernel rows, AMX passes), or None for XLA's dot (not on
+    CPU, `matmul="xla"`, or the kernel library missing). On an AMX CPU every product runs on AMX (bf16
+    weights: two passes; fp32: three, close to fp32), except int8 weights (a draft kept small), which only
+    the skinny kernel takes."""
+    if config.matmul != "auto" or jax.default_backend() != "cpu" or not cpu_kernels.available():
+        return None
+    if cpu_kernels.amx_available() and dtype != "int8":
+        return dtype, 0, 2 if dtype == "bfloat16" else 3
+    return dtype, SKINNY_MAX_ROWS, None
+
+
 def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
     (a `LoadedModel`), with the CPU kernels' packed weights when `config.matmul` (an `EngineConfig`) is "auto" on CPU
@@ -86,14 +99,8 @@ def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | No
     the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
              else Llama(loaded.config, params=loaded.params, mesh=mesh))
-    packed = 0
-    if mesh is None and config.matmul == "auto" and jax.default_backend() == "cpu" and cpu_kernels.available():
-        dtype = kernel_dtype or loaded.config.dtype
-        # bf16 kernel weights: two passes (bf16 W); fp32: three (close to fp32); int8 (a draft kept small): none.
-        if cpu_kernels.amx_available() and dtype != "int8":
-            packed = model.pack_linears(dtype, 0, 2 if dtype == "bfloat16" else 3)
-        else:
-            packed = model.pack_linears(dtype, SKINNY_MAX_ROWS)
+    layout = None if mesh is not None else kernel_layout(config, kernel_dtype or loaded.config.dtype)
+    packed = model.pack_linears(*layout) if layout else 0
     graphdef, state = nnx.split(model)
     return graphdef, Weights.of(state), packed
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.sampler import draw, filter_logits
+from engine.sampler import argmax, draw, filter_logits
 from engine.verify import ACCEPT_STREAM
 
 MAX_TREE_NODES = 32  # one int32 word of mask bits (pallas_kernels.reference.TREE_WINDOW)
@@ -122,7 +122,7 @@ def verify_tree(target_logits: jax.Array, draft_probs: jax.Array, tokens: jax.Ar
     t = jnp.where(sampled, temperature, 1.0)
     filtered = filter_logits(target_logits.reshape(S * N, V), jnp.repeat(t, N), jnp.repeat(top_k, N),
                              jnp.repeat(top_p, N), jnp.repeat(min_p, N)).reshape(S, N, V)
-    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, N]
+    target_argmax = argmax(target_logits)  # [S, N]
     _, depth = tree_masks(parents)
 
     def visit(c, state):
@@ -133,7 +133,7 @@ def verify_tree(target_logits: jax.Array, draft_probs: jax.Array, tokens: jax.Ar
         u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
             _keys(seeds, root_positions + depth[:, c], ACCEPT_STREAM, jnp.full((S,), c, jnp.int32)))
         p_x, q_x = p[rows, x], q[rows, x]
-        accept = child & jnp.where(sampled, u * p_x < q_x, x == argmax[rows, cur])
+        accept = child & jnp.where(sampled, u * p_x < q_x, x == target_argmax[rows, cur])
         reject = child & ~accept
         residual = jnp.maximum(q - p, 0.0)
         mass = jnp.sum(residual, axis=-1, keepdims=True)
@@ -150,7 +150,7 @@ def verify_tree(target_logits: jax.Array, draft_probs: jax.Array, tokens: jax.Ar
     # scored with the filtered logits themselves so the draw is the sampler's, bit for bit.
     final_pos = root_positions + depth[rows, cur] + 1
     scores = jnp.where(rejected[:, None], jnp.where(q > 0, jnp.log(q), -jnp.inf), filtered[rows, cur])
-    final = jnp.where(sampled, draw(scores, _keys(seeds, final_pos, None)), argmax[rows, cur])
+    final = jnp.where(sampled, draw(scores, _keys(seeds, final_pos, None)), target_argmax[rows, cur])
     return _path_tokens(tokens, path, n, final), n + 1, path
 
 

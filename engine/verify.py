@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from engine.sampler import draw, filter_logits
+from engine.sampler import argmax, draw, filter_logits
 
 ACCEPT_STREAM = 0xFFFF_FFFF
 DRAFT_STREAM = 0xFFFF_FFFE
@@ -67,7 +67,7 @@ def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, to
     Returns:
       (tokens int32 `[S]`, p float32 `[S, V]`); greedy rows take the argmax.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
 
     def stochastic():
         t = jnp.where(temperature > 0, temperature, 1.0)
@@ -138,7 +138,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
     rows = jnp.arange(S)
     in_draft = slot[None, :K] < num_draft[:, None]  # [S, K]
 
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [S, K+1]
+    target_argmax = argmax(target_logits)  # [S, K+1]
     n_greedy = _leading_true(in_draft & (draft_tokens == target_argmax[:, :K]))
     final_greedy = target_argmax[rows, n_greedy]
 

@@ -4,6 +4,7 @@ states along accepted paths, finishing rules inside accepted paths)."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -152,3 +153,22 @@ def test_tree_is_cut_at_the_requests_depth(target, heads):
     assert wanted[:2] == [0, 1] and 1 < wanted[2] < 8 and wanted[3] == 8
     assert proposer.wanted(Request([3, 4], SamplingParams(num_tree_nodes=3)), 0) == 3  # a request's node budget
     assert [proposer.depth(None, k) for k in range(5)] == [0, 1, 2, 2, 2]
+
+
+def test_heads_in_the_cpu_kernels_give_the_reference_candidates():
+    """The heads' two products in the native kernels (AMX tiles where the CPU has them, else the skinny
+    kernel's panels; fp32 weights) rank each head's candidates as XLA's dot does."""
+    from engine.step import kernel_layout
+
+    layout = kernel_layout(EngineConfig(), "float32")
+    if layout is None:
+        pytest.skip("the native kernels are not available here")
+    target = _model(scale=4.0)
+    loaded = _heads(target, 1.0, head_ids=np.arange(0, 256, 3))
+    plain, packed = (medusa.MedusaHeads(target.config, loaded.params) for _ in range(2))
+    assert packed.pack_linears(*layout) > 0
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((6, target.config.hidden_size)).astype(np.float32))
+    want = np.asarray(plain.logits(h))
+    got = np.asarray(jax.jit(lambda h: packed.logits(h))(h))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(packed.candidates(h, 3)), np.asarray(plain.candidates(h, 3)))

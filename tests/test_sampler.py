@@ -1,10 +1,11 @@
 """On-device sampling: greedy, truncation masks, seeded reproducibility, and the sampled distribution."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampler import filter_logits, sample
+from engine.sampler import argmax, filter_logits, sample
 
 
 def _arrays(S, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -144,3 +145,15 @@ def test_draw_follows_softmax_across_blocks_and_skips_excluded_tokens():
     expected = N * np.append(want[top], 1 - want[top].sum())
     expected *= N / expected.sum()
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_argmax_takes_the_lowest_index_among_ties_in_any_leading_shape():
+    """`argmax` (the native kernel's on AVX-512) equals jnp.argmax: ties at the max go to the lowest index,
+    rows of a partial head's -1e30 included, over `[S, N, V]` as over `[S, V]`."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(-3, 3, (3, 5, 1000)).astype(np.float32)  # many ties
+    logits[1, :, 500:] = -1e30
+    logits[2, 1] = rng.normal(0, 1, 1000)
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(logits[0]))), np.argmax(logits[0], axis=-1))
