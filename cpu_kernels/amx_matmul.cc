@@ -137,50 +137,25 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void run_blocks(const Opera
       _tile_zero(3);
       const uint16_t* a = o.a_hi + row * o.Kp;
       const uint16_t* al = o.a_lo + row * o.Kp;
-      // A block of at most 16 real rows (a decode step, a verify window) leaves the lower C tiles at zero:
-      // half the tile products, which a 2-pass product over few rows is bound by.
-      if (nrows > 16) {
-        for (int64_t c = 0; c < chunks; ++c) {
-          _tile_loadd(4, a + c * kTileK, lda);
-          _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
-          _tile_loadd(6, b0 + c * kTileElems, 64);
-          _tile_loadd(7, b0 + panel + c * kTileElems, 64);
+      // A block of at most 16 real rows (a decode step, a verify window) leaves C tiles 2 and 3 at zero: half
+      // the tile products, which a product over few rows is bound by. Passes x_hi W_hi, x_lo W_hi, then (with
+      // W_lo) x_hi W_lo: each C tile sums in the same order whatever the block's height.
+      const bool lower = nrows > 16;
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int pass = 0; pass < (l0 != nullptr ? 3 : 2); ++pass) {
+          if (pass != 1) {  // pass 1 reuses W_hi's tiles
+            const uint16_t* b = (pass == 0 ? b0 : l0) + c * kTileElems;
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + panel, 64);
+          }
+          const uint16_t* x = (pass == 1 ? al : a) + c * kTileK;
+          _tile_loadd(4, x, lda);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          _tile_loadd(4, al + c * kTileK, lda);  // x_lo W_hi
-          _tile_loadd(5, al + 16 * o.Kp + c * kTileK, lda);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-          if (l0 != nullptr) {  // x_hi W_lo
-            _tile_loadd(4, a + c * kTileK, lda);
-            _tile_loadd(5, a + 16 * o.Kp + c * kTileK, lda);
-            _tile_loadd(6, l0 + c * kTileElems, 64);
-            _tile_loadd(7, l0 + panel + c * kTileElems, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+          if (lower) {
+            _tile_loadd(5, x + 16 * o.Kp, lda);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-      } else {
-        for (int64_t c = 0; c < chunks; ++c) {
-          _tile_loadd(4, a + c * kTileK, lda);
-          _tile_loadd(5, al + c * kTileK, lda);
-          _tile_loadd(6, b0 + c * kTileElems, 64);
-          _tile_loadd(7, b0 + panel + c * kTileElems, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(0, 5, 6);  // x_lo W_hi
-          _tile_dpbf16ps(1, 5, 7);
-          if (l0 != nullptr) {  // x_hi W_lo
-            _tile_loadd(6, l0 + c * kTileElems, 64);
-            _tile_loadd(7, l0 + panel + c * kTileElems, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
           }
         }
       }
