@@ -9,8 +9,8 @@ memory once and keeps `rows x 16` accumulators in vector registers
 bfloat16 (half the bytes) or int8 with a per-output-column scale (a quarter);
 accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
 
-`amx_matmul(x, w)`: the same product on Intel AMX tiles (every product of
-bf16 kernel weights, the wide ones of fp32), with W packed once by
+`amx_matmul(x, w)`: the same product on Intel AMX tiles (the engine's every
+product where the CPU has AMX), with W packed once by
 `pack_amx(w, passes)` into bf16 tiles (`AmxWeight`) and x split into bf16 hi
 and lo parts; 3 passes keep close to fp32 (the bf16x3 split), 2 are bf16
 weights times ~fp32 activations (`amx_matmul.cc`); `amx_head_log_softmax`

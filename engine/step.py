@@ -26,7 +26,8 @@ from model.llama import TP_AXIS, Llama, kv_heads_per_device
 from scheduler.request import MAX_LOGPROBS
 
 
-# Products over at most this many tokens use the skinny CPU kernel; larger ones (prefill chunks) XLA's dot.
+# On a CPU without AMX, products over at most this many tokens use the skinny CPU kernel; larger ones
+# (prefill chunks) XLA's dot.
 # Measured on the 2-core development machine (benchmarks/cpu_matmul.py): the kernel takes 0.69x XLA's
 # time at T = 16, 0.77x at T = 32 and 0.88x at T = 64.
 SKINNY_MAX_ROWS = 64
