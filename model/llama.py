@@ -112,22 +112,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
 
 
-def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None, skinny: bool = True) -> int:
-    """Stores `owner`'s weight `name` (`w` `[K, N]`) in the skinny kernel's panels (`{name}_panels`,
-    `{name}_scales`) when `skinny` and, with `amx_passes`, in AMX tiles (`{name}_amx_hi`, `{name}_amx_lo`);
-    returns their bytes."""
-    total = 0
-    if skinny:
+def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None) -> int:
+    """Stores `owner`'s weight `name` (`w` `[K, N]`) in AMX tiles with `amx_passes` (`{name}_amx_hi`,
+    `{name}_amx_lo`), else in the skinny kernel's panels (`{name}_panels`, `{name}_scales`); returns their bytes."""
+    if amx_passes is None:
         p = cpu_kernels.pack(w, dtype)
         setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
         setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
-        total += p.nbytes
-    if amx_passes is not None:
-        a = cpu_kernels.pack_amx(w, amx_passes)
-        setattr(owner, f"{name}_amx_hi", nnx.Variable(a.hi))
-        setattr(owner, f"{name}_amx_lo", nnx.Variable(a.lo))
-        total += a.nbytes
-    return total
+        return p.nbytes
+    a = cpu_kernels.pack_amx(w, amx_passes)
+    setattr(owner, f"{name}_amx_hi", nnx.Variable(a.hi))
+    setattr(owner, f"{name}_amx_lo", nnx.Variable(a.lo))
+    return a.nbytes
 
 
 TP_AXIS = "tp"  # the mesh axis tensor parallelism splits over
@@ -297,11 +293,10 @@ class Llama(nnx.Module):
 
     def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None) -> int:
         """Keeps a copy of every projection and of the output head in the native CPU kernels' layouts; from
-        then on products over at most `max_rows` tokens use the skinny kernel (`cpu_kernels.pack`, weights
-        in `dtype`: "float32", "bfloat16" or "int8"), larger ones the AMX kernel when `amx_passes` is given
-        (`cpu_kernels.pack_amx`: 3 passes, close to fp32; 2, bf16 weights), else XLA's dot on the original weights
-        (the choice is made at trace time from static shapes). `max_rows` 0 with `amx_passes` puts every
-        product on AMX and keeps no skinny copy.
+        then every product runs on the AMX kernel when `amx_passes` is given (`cpu_kernels.pack_amx`: 3
+        passes, close to fp32; 2, bf16 weights), else products over at most `max_rows` tokens on the skinny
+        kernel (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8") and larger ones on
+        XLA's dot over the original weights (the choice is made at trace time from static shapes).
 
         Returns the bytes the packed copies take. Call before `nnx.split`. Raises ValueError on a tensor
         parallel model (the kernels take whole weights on one device).
@@ -311,16 +306,15 @@ class Llama(nnx.Module):
         total = 0
         for lp in self.layers:
             for name in self.LINEARS:
-                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes,
-                                     max_rows > 0)
+                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes)
         if self.cfg.head_vocab_size:
             head = np.asarray(self.head[...], np.float32).T
         elif self.cfg.tie_word_embeddings:
             head = np.asarray(self.embed[...], np.float32).T
         else:
             head = np.asarray(self.lm_head[...], np.float32)
-        total += keep_packed(self, "head", head, dtype, amx_passes, max_rows > 0)
-        self.skinny_rows = max_rows
+        total += keep_packed(self, "head", head, dtype, amx_passes)
+        self.skinny_rows = 0 if amx_passes else max_rows
         return total
 
     def _skinny(self, x: jax.Array) -> bool:

@@ -83,10 +83,9 @@ class MedusaHeads(nnx.Module):
         a step for SmolLM2's 8,192-token readout). Returns the bytes the copies take."""
         K, E = self.w.shape[:2]
         proj = np.asarray(self.w[...], np.float32).transpose(1, 0, 2).reshape(E, K * E)
-        skinny = amx_passes is None
-        self.kernel_rows = max_rows
-        return (keep_packed(self, "proj", proj, dtype, amx_passes, skinny)
-                + keep_packed(self, "readout", np.asarray(self.head[...], np.float32).T, dtype, amx_passes, skinny))
+        self.kernel_rows = 0 if amx_passes else max_rows
+        return (keep_packed(self, "proj", proj, dtype, amx_passes)
+                + keep_packed(self, "readout", np.asarray(self.head[...], np.float32).T, dtype, amx_passes))
 
     def _product(self, x: jax.Array, name: str, n: int) -> jax.Array:
         """x `[T, in]` @ the packed weight `name` (`n` output columns)."""
