@@ -6,8 +6,10 @@
 // pool through row s of the block table (this step's own K/V are already written there). One work item is
 // up to 4 consecutive query tokens of one sequence (16 for prefill chunks) and one KV head, or every KV head
 // when a step has many short items: its rows (tokens x the G = H / K query heads of a KV head) share each K
-// and V row, read from the pool directly on AVX-512 (bf16 rows split into even and odd elements) or
-// converted to f32 once per tile of 32 context positions. The split path prefetches the tiles ahead.
+// and V row, read from the pool directly on AVX-512 for head dims 64 and 128 (the split path; bf16 rows
+// split into even and odd elements, tiles prefetched ahead) or converted to f32 once per tile of 32 context
+// positions. One path serves every item of a call whatever its length, so a row's result is bitwise the
+// same in a prefill chunk, a verify window or a decode step (batch invariance).
 // The tiles are walked with an online softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022,
 // §3.1): scores 8 positions at a time (8 independent FMA chains, one transposing reduction), a running max
 // and sum per row, the accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
@@ -227,7 +229,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
   }
 }
 
-// ---- AVX-512, for work items of many rows (prefill chunks): K transposed per tile, so the scores of 8 rows
+// ---- AVX-512, for head dims other than 64 and 128 (multiples of 16): K transposed per tile, so the scores of 8 rows
 // x 32 positions are 16 accumulators fed by broadcasts of q (no horizontal sums), and P V runs 4 rows x 64
 // columns of V at a time. The online softmax is the same as above.
 
@@ -344,7 +346,7 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
   }
 }
 
-// ---- AVX-512, for short work items (decode, verify windows): K and V read from the pool in place, each row
+// ---- AVX-512, for head dims 64 and 128 (SmolLM2, Llama): K and V read from the pool in place, each row
 // of 32 elements as two float32 vectors. In a bf16 pool a 32-bit lane holds elements 2i (low half) and
 // 2i + 1 (high half); a shift and a mask make both exact float32 vectors, so the two vectors are the row's
 // even and odd elements. q is split the same way once per work item and the accumulator is kept split,
@@ -526,8 +528,14 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
   }
 }
 
-// Whether a tile of `count` query tokens takes attend_split.
-inline bool split_path(const Layout& L, int64_t count) { return kAvx512 && count <= kTileQ && (L.D == 64 || L.D == 128); }
+// The path every tile of a call takes, fixed by the ISA and the head dim alone: the paths sum a score's
+// products in different orders, so a token's result would otherwise depend on how many of its sequence's
+// tokens share the step (chunked prefill, prefix-cache hits) and a seeded sample on its batch mates.
+enum class Path { kSplit, kLong, kAvx2 };
+inline Path path_for(const Layout& L) {
+  if (kAvx512 && (L.D == 64 || L.D == 128)) return Path::kSplit;
+  return kAvx512 && L.D % 16 == 0 ? Path::kLong : Path::kAvx2;
+}
 
 // Everything a helper thread touches; shared-owned, so a helper that starts after the call returned only
 // finds no work left.
@@ -566,12 +574,15 @@ struct Job {
         }
     R.tree = tree != nullptr;
     const int32_t* table = tables + static_cast<int64_t>(t.seq) * L.max_blocks;
-    if (split_path(L, t.count) && L.D == 64) return attend_split<KV, 2>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
-    if (split_path(L, t.count) && L.D == 128) return attend_split<KV, 4>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
-    if (t.count > kTileQ)  // a long tile: AVX-512 (see Run)
-      attend_512<KV>(L, R, k_layer, v_layer, table, w.kh0);
-    else
-      attend<KV>(L, R, k_layer, v_layer, table, w.kh0);
+    switch (path_for(L)) {
+      case Path::kSplit:
+        if (L.D == 64) return attend_split<KV, 2>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
+        return attend_split<KV, 4>(L, R, k_layer, v_layer, table, w.kh0, w.heads);
+      case Path::kLong:
+        return attend_512<KV>(L, R, k_layer, v_layer, table, w.kh0);
+      case Path::kAvx2:
+        return attend<KV>(L, R, k_layer, v_layer, table, w.kh0);
+    }
   }
   void loop() {
     for (int64_t i; (i = next.fetch_add(1)) < items;) {
@@ -598,10 +609,9 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
     for (int64_t i = 0; i < (len + L.B - 1) / L.B; ++i)
       if (tables[s * L.max_blocks + i] < 0 || tables[s * L.max_blocks + i] >= L.P)
         return ffi::Error::InvalidArgument("paged attention: block table entry out of range");
-    // Long query runs (prefill chunks) take tiles of 16 tokens on the AVX-512 path: many rows share each
-    // K/V tile. Short ones (decode, verify windows) keep tiles of 4: attend_split on AVX-512, else the AVX2
-    // path.
-    const int64_t tile_q = kAvx512 && L.D % 16 == 0 && n >= 2 * kTileQLong ? kTileQLong : kTileQ;
+    // Long query runs (prefill chunks) take tiles of 16 tokens on AVX-512: many rows share each K/V tile.
+    // Short ones (decode, verify windows) keep tiles of 4. A row's arithmetic is the same in either.
+    const int64_t tile_q = path_for(L) != Path::kAvx2 && n >= 2 * kTileQLong ? kTileQLong : kTileQ;
     for (int64_t t = a; t < b; t += tile_q) {
       const int64_t count = std::min(tile_q, b - t);
       job->tiles.push_back({static_cast<int32_t>(s), static_cast<int32_t>(t), static_cast<int32_t>(count),
@@ -614,10 +624,10 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
   // Short tiles on the split path take every KV head in one item (whole slot rows) when there are enough
   // of them to keep the threads busy.
   int64_t short_tiles = 0;
-  for (const auto& t : job->tiles) short_tiles += split_path(L, t.count);
+  for (const auto& t : job->tiles) short_tiles += path_for(L) == Path::kSplit && t.count <= kTileQ;
   const bool whole = short_tiles >= 4 * std::max<int64_t>(1, pool.num_threads()) && kTileQ * L.H <= kMaxRows;
   for (int32_t i = 0; i < static_cast<int32_t>(job->tiles.size()); ++i) {
-    if (whole && split_path(L, job->tiles[i].count)) {
+    if (whole && path_for(L) == Path::kSplit && job->tiles[i].count <= kTileQ) {
       job->work.push_back({i, 0, static_cast<int32_t>(L.Kh)});
       continue;
     }

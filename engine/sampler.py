@@ -3,8 +3,9 @@
 Temperature, then top-k, top-p (Holtzman et al. 2020, §3.1) and min-p
 (Nguyen et al. 2024) are applied as a threshold on the logits, and the token
 is drawn by inverting the CDF with one uniform per row. Each row's
-randomness comes from `fold_in(key(seed), position)`, so a seeded request's
-tokens do not depend on the rest of the batch.
+randomness comes from `fold_in(key(seed), position)`, and its exps and sums
+are batch-invariant (`model.numerics`), so a seeded request's tokens do not
+depend on the rest of the batch.
 
 No full-vocabulary sort: on the CPU backend a sort of 49,152 logits costs
 12 ms a row, more than a decode step. The top-k and top-p thresholds come
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from model import numerics
 
 # Largest logits read to settle top-k and top-p without a sort.
 CANDIDATES = 256
@@ -34,19 +36,20 @@ def _order_keys(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(i, jnp.uint32) ^ jnp.uint32(0x8000_0000)
 
 
-def _bisect_threshold(scaled: jax.Array, lse: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _bisect_threshold(scaled: jax.Array, row_max: jax.Array, total: jax.Array, k: jax.Array,
+                      top_p: jax.Array) -> jax.Array:
     """The smallest kept logit under top-k and top-p, `[S]`, by bisection on the float order.
 
     A token is kept when fewer than `k` tokens and less than `top_p` of the
     mass lie strictly above it: the sorted definition, without the sort.
     """
     keys = _order_keys(scaled)
-    probs = jnp.exp(scaled - lse[:, None])
+    probs = numerics.exp(scaled - row_max[:, None]) / total[:, None]
 
     def keeps(t):  # does a token with key t survive? Monotone in t.
         above = keys > t[:, None]
         count = jnp.sum(above, axis=-1)
-        mass = jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
+        mass = numerics.row_sum(jnp.where(above, probs, 0.0))
         return (count < k) & ((top_p >= 1) | (mass < top_p))
 
     def body(_, bounds):  # invariant: keeps(hi), not keeps(lo)
@@ -84,23 +87,23 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     scaled = logits / temperature[:, None]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
     row_max = jnp.max(scaled, axis=-1)
-    lse = jax.nn.logsumexp(scaled, axis=-1)
+    total = numerics.row_sum(numerics.exp(scaled - row_max[:, None]))  # softmax's denominator, over e^max
     C = min(CANDIDATES, V)
 
     def from_candidates():
         vals = jax.lax.top_k(scaled, C)[0]  # [S, C], descending
-        probs = jnp.exp(vals - lse[:, None])
+        probs = numerics.exp(vals - row_max[:, None]) / total[:, None]
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         n_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
         pth = jnp.where(top_p < 1, jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
         kth = jnp.take_along_axis(vals, (jnp.minimum(k, C) - 1)[:, None], axis=-1)[:, 0]
         kth = jnp.where(k < V, kth, -jnp.inf)
-        covered = ((k == V) | (k <= C)) & ((top_p >= 1) | (jnp.sum(probs, axis=-1) >= top_p))
+        covered = ((k == V) | (k <= C)) & ((top_p >= 1) | (numerics.row_sum(probs) >= top_p))
         return jnp.maximum(kth, pth), jnp.all(covered)
 
     def truncated():
         threshold, covered = from_candidates()
-        return jax.lax.cond(covered, lambda: threshold, lambda: _bisect_threshold(scaled, lse, k, top_p))
+        return jax.lax.cond(covered, lambda: threshold, lambda: _bisect_threshold(scaled, row_max, total, k, top_p))
 
     truncates = jnp.any((k < V) | (top_p < 1))
     threshold = jax.lax.cond(truncates, truncated, lambda: jnp.full((S,), -jnp.inf, jnp.float32))
@@ -127,7 +130,7 @@ def draw(scores: jax.Array, keys: jax.Array) -> jax.Array:
     """
     S, V = scores.shape
     nb = -(-V // _BLOCK)
-    w = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    w = numerics.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     w = jnp.pad(w, ((0, 0), (0, nb * _BLOCK - V))).reshape(S, nb, _BLOCK)
     u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
 
@@ -137,7 +140,7 @@ def draw(scores: jax.Array, keys: jax.Array) -> jax.Array:
         last = n - 1 - jnp.argmax((weights > 0)[:, ::-1], axis=-1)
         return jnp.minimum(idx, last).astype(jnp.int32)
 
-    block_mass = jnp.sum(w, axis=-1)  # [S, nb]
+    block_mass = numerics.row_sum(w)  # [S, nb]
     block_cum = jnp.cumsum(block_mass, axis=-1)
     r = u * block_cum[:, -1]
     b = first_past(block_cum, r, block_mass)

@@ -17,6 +17,7 @@ from flax import nnx, struct
 
 import cpu_kernels
 from engine.sampler import sample
+from model import numerics
 from model.config import ModelConfig
 from pallas_kernels.reference import ragged_paged_attention_reference
 from model.eagle import FC, EagleHead
@@ -187,12 +188,15 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, want: jax.Array) -> Sam
     """Raw log-softmax of `logits` float32 `[S, V]` at `tokens` int32 `[S]` and its top N entries.
 
     Skipped (zeros) unless `want` bool `[S]` has a set row: the top-k over
-    `[S, V]` costs about 12 ms at S=64, V=49152 on CPU.
+    `[S, V]` costs about 12 ms at S=64, V=49152 on CPU. The log-sum-exp is
+    batch-invariant (`model.numerics`): a row's log-probabilities are bitwise
+    the same whatever rows share its step.
     """
     S, N = logits.shape[0], min(MAX_LOGPROBS, logits.shape[1])
 
     def compute():
-        lse = jax.nn.logsumexp(logits, axis=-1)
+        row_max = jnp.max(logits, axis=-1)
+        lse = row_max + numerics.log(numerics.row_sum(numerics.exp(logits - row_max[:, None])))
         top, top_ids = jax.lax.top_k(logits, N)
         chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
         return chosen - lse, top_ids.astype(jnp.int32), top - lse[:, None]

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.sampler import argmax, draw, filter_logits
+from model import numerics
 from engine.verify import ACCEPT_STREAM
 
 MAX_TREE_NODES = 32  # one int32 word of mask bits (pallas_kernels.reference.TREE_WINDOW)
@@ -136,20 +137,21 @@ def verify_tree(target_logits: jax.Array, draft_probs: jax.Array, tokens: jax.Ar
         accept = child & jnp.where(sampled, u * p_x < q_x, x == target_argmax[rows, cur])
         reject = child & ~accept
         residual = jnp.maximum(q - p, 0.0)
-        mass = jnp.sum(residual, axis=-1, keepdims=True)
+        mass = numerics.row_sum(residual)[:, None]
         # A rejection moves q to the residual (unless rounding left it no mass: q == p, q stays).
         q = jnp.where((reject & sampled)[:, None] & (mass > 0), residual / jnp.where(mass > 0, mass, 1.0), q)
-        q = jnp.where(accept[:, None], jax.nn.softmax(filtered[:, c], axis=-1), q)
+        q = jnp.where(accept[:, None], numerics.softmax(filtered[:, c]), q)
         path = path.at[rows, n].set(jnp.where(accept, c, path[rows, n]))
         return (jnp.where(accept, c, cur), q, (rejected | reject) & ~accept, path, n + accept)
 
-    q0 = jax.nn.softmax(filtered[:, 0], axis=-1)
+    q0 = numerics.softmax(filtered[:, 0])
     init = (jnp.zeros(S, jnp.int32), q0, jnp.zeros(S, bool), jnp.full((S, N), -1, jnp.int32), jnp.zeros(S, jnp.int32))
     cur, q, rejected, path, n = jax.lax.fori_loop(1, N, visit, init)
     # The last token: from the residual after a rejection, else (a leaf, or no children) from the node's q,
     # scored with the filtered logits themselves so the draw is the sampler's, bit for bit.
     final_pos = root_positions + depth[rows, cur] + 1
-    scores = jnp.where(rejected[:, None], jnp.where(q > 0, jnp.log(q), -jnp.inf), filtered[rows, cur])
+    scores = jnp.where(rejected[:, None], jnp.where(q >= numerics.LOG_MIN, numerics.log(q), -jnp.inf),
+                       filtered[rows, cur])
     final = jnp.where(sampled, draw(scores, _keys(seeds, final_pos, None)), target_argmax[rows, cur])
     return _path_tokens(tokens, path, n, final), n + 1, path
 

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.sampler import argmax, draw, filter_logits
+from model import numerics
 
 ACCEPT_STREAM = 0xFFFF_FFFF
 DRAFT_STREAM = 0xFFFF_FFFE
@@ -73,7 +74,7 @@ def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, to
         t = jnp.where(temperature > 0, temperature, 1.0)
         filtered = filter_logits(logits, t, top_k, top_p, min_p)
         drawn = draw(filtered, _stream_keys(seeds, positions, DRAFT_STREAM))
-        probs = jax.nn.softmax(filtered, axis=-1)
+        probs = numerics.softmax(filtered)
         return jnp.where(temperature > 0, drawn, greedy), probs
 
     def all_greedy():
@@ -147,7 +148,7 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         per_slot = lambda x: jnp.repeat(x, K1)
         filtered = filter_logits(target_logits.reshape(S * K1, V), per_slot(t), per_slot(top_k),
                                  per_slot(top_p), per_slot(min_p)).reshape(S, K1, V)
-        q = jax.nn.softmax(filtered, axis=-1)
+        q = numerics.softmax(filtered)
         q_x = jnp.take_along_axis(q[:, :K], draft_tokens[..., None], axis=-1)[..., 0]  # [S, K]
         p_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
         u_keys = _stream_keys(seeds, positions[:, None] + slot[None, :K], ACCEPT_STREAM)  # [S, K]
@@ -161,8 +162,9 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         p_n = jnp.concatenate([draft_probs, jnp.zeros((S, 1, V), draft_probs.dtype)], axis=1)[rows, n]
         residual = jnp.maximum(q[rows, n] - p_n, 0.0)
         # If rounding leaves no residual mass (q == p up to float error), q is the limit.
-        use_residual = rejected & jnp.any(residual > 0, axis=-1)
-        scores = jnp.where(use_residual[:, None], jnp.where(residual > 0, jnp.log(residual), -jnp.inf),
+        has_mass = residual >= numerics.LOG_MIN  # below it, mass too small to draw (and outside log's domain)
+        use_residual = rejected & jnp.any(has_mass, axis=-1)
+        scores = jnp.where(use_residual[:, None], jnp.where(has_mass, numerics.log(residual), -jnp.inf),
                            filtered[rows, n])
         final = draw(scores, _stream_keys(seeds, (positions + n)[:, None], None)[:, 0])
         sampled = temperature > 0

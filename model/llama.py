@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 import cpu_kernels
+from model import numerics
 from model.config import ModelConfig
 
 
@@ -104,7 +105,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(numerics.row_sum(xf * xf)[..., None] / xf.shape[-1] + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -437,7 +438,7 @@ class Llama(nnx.Module):
             with jax.named_scope("mlp"):
                 h = rms_norm(x, lp.mlp_norm[...], cfg.rms_norm_eps)
                 gate, up = jnp.split(self._linear(h, lp, "w_gate_up"), 2, axis=-1)
-                x = x + reduce(self._linear(jax.nn.silu(gate) * up, lp, "w_down"))
+                x = x + reduce(self._linear(numerics.silu(gate) * up, lp, "w_down"))
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:

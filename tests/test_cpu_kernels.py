@@ -317,10 +317,11 @@ def test_paged_attention_equals_reference_inside_jit(case, D):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [32, 64, 128])
 def test_paged_attention_long_chunks_equal_reference(dtype, D):
-    """Prefill chunks (runs of 32+ query tokens: 16-token tiles, the AVX-512 path on AVX-512 CPUs) after a
-    cached context, beside decode and verify rows and a padding token, SmolLM2's GQA (9 heads over 3)."""
+    """Prefill chunks (runs of 32+ query tokens: 16-token tiles on AVX-512 CPUs, on the split path for head
+    dims 64 and 128, else the transposed one) after a cached context, beside decode and verify rows and a
+    padding token, SmolLM2's GQA (9 heads over 3)."""
     args = make_batch(7, [300, 1, 5, 64], [812, 20, 40, 64], heads=9, kv_heads=3, head_dim=D, block_size=16,
                       pad_tokens=1, dtype=dtype)
     got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)), np.float32)
@@ -345,6 +346,20 @@ def test_paged_attention_short_rows_equal_reference(D, pool):
         got = np.asarray(jax.jit(ck.paged_attention)(*args, jnp.int32(1)))
         want = np.asarray(ragged_paged_attention_reference(*args, 1))
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("D", [16, 64, 128])
+def test_paged_attention_rows_do_not_depend_on_the_run_length(dtype, D):
+    """Batch invariance: the last tokens of a sequence attend bitwise alike whether the step holds 40 of its
+    tokens (a prefill chunk), 4 (a verify window) or 1 (decode), beside other sequences or alone."""
+    q, k, v, bt, sl, qsl = make_batch(5, [40, 3], [70, 50], heads=6, kv_heads=2, head_dim=D, block_size=16,
+                                      dtype=dtype)
+    f = jax.jit(ck.paged_attention)
+    full = np.asarray(f(q, k, v, bt, sl, qsl, jnp.int32(1)))[:40]
+    for n in (4, 1):
+        got = np.asarray(f(q[40 - n:40], k, v, bt[:1], sl[:1], jnp.array([0, n], jnp.int32), jnp.int32(1)))
+        np.testing.assert_array_equal(got, full[40 - n:])
 
 
 def test_paged_attention_rejects_out_of_range_tables():
