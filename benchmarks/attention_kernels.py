@@ -1,5 +1,6 @@
 """Times the ragged paged attention kernel next to the jnp reference and JAX's Pallas paged_attention,
-and, on CPU, the native kernel on decode rows and on verify windows as chains and as token trees.
+and, on CPU, the native kernel on decode rows, on verify windows as chains and as token trees, and on
+prefill chunks.
 
     python benchmarks/attention_kernels.py [--reps 3]
 
@@ -15,7 +16,8 @@ Native kernel table (CPU, `cpu_kernels.paged_attention`, all 30 layers per call)
   decode rows at 64 x 256 and 8 x 256 context positions over bf16 and float32
   pools (float32: the real model's, whose dtype the pool takes); verify windows of
   16 tokens after 300 cached positions, 1 and 4 sequences, causal (a chain)
-  and with the tree masks of a random 16-node tree (depth <= 5, width <= 4).
+  and with the tree masks of a random 16-node tree (depth <= 5, width <= 4); a
+  512-token prefill chunk over a float32 pool after 0 and 512 cached positions.
 `jax.experimental.pallas.ops.gpu.paged_attention` is decode-only and wants a
 `[K, P, B, D]` single-layer pool: the layer is sliced and transposed outside
 the timed call (a copy our kernel does not need), its K/V heads padded to
@@ -113,7 +115,8 @@ def main():
 
 
 def native_table(reps):
-    """The native kernel over every layer: decode rows, and verify windows causal vs tree-masked."""
+    """The native kernel over every layer: decode rows, verify windows causal vs tree-masked, and a 512-token
+    prefill chunk with no context before it and after 512 cached positions."""
     import cpu_kernels
     from engine.tree_verify import tree_masks
 
@@ -128,7 +131,9 @@ def native_table(reps):
                                         ("decode S=8 kv=256", [1] * 8, [256] * 8, jnp.bfloat16),
                                         ("decode S=8 kv=256", [1] * 8, [256] * 8, jnp.float32),
                                         ("verify S=1 16 tokens kv=316", [16], [316], jnp.bfloat16),
-                                        ("verify S=4 16 tokens kv=316", [16] * 4, [316] * 4, jnp.bfloat16)]:
+                                        ("verify S=4 16 tokens kv=316", [16] * 4, [316] * 4, jnp.bfloat16),
+                                        ("prefill S=1 512 tokens kv=512", [512], [512], jnp.float32),
+                                        ("prefill S=1 512 tokens kv=1024", [512], [1024], jnp.float32)]:
         args = make(q_lens, kv_lens, dtype=pool)
         causal, _ = bench(all_layers(), args, reps)
         tree = "—"

@@ -127,6 +127,22 @@ def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | N
     return a.nbytes
 
 
+def packed_weight(owner, name: str, n: int) -> cpu_kernels.AmxWeight | cpu_kernels.PackedWeight | None:
+    """`owner`'s weight `name` as `keep_packed` stored it (`n` output columns), or None where it did not."""
+    if hasattr(owner, f"{name}_amx_hi"):
+        return cpu_kernels.AmxWeight(getattr(owner, f"{name}_amx_hi")[...], getattr(owner, f"{name}_amx_lo")[...], n)
+    if hasattr(owner, f"{name}_panels"):
+        return cpu_kernels.PackedWeight(getattr(owner, f"{name}_panels")[...], getattr(owner, f"{name}_scales")[...], n)
+    return None
+
+
+def packed_product(x: jax.Array, weight: cpu_kernels.AmxWeight | cpu_kernels.PackedWeight) -> jax.Array:
+    """float32 x `[T, in]` @ a `packed_weight` on the kernel of its layout: AMX tiles or the skinny panels."""
+    if isinstance(weight, cpu_kernels.AmxWeight):
+        return cpu_kernels.amx_matmul(x, weight)
+    return cpu_kernels.skinny_matmul(x, weight)
+
+
 TP_AXIS = "tp"  # the mesh axis tensor parallelism splits over
 
 
@@ -318,32 +334,24 @@ class Llama(nnx.Module):
         self.skinny_rows = 0 if amx_passes else max_rows
         return total
 
-    def _skinny(self, x: jax.Array) -> bool:
-        return 0 < x.shape[0] <= getattr(self, "skinny_rows", 0)
-
     def _out_width(self, owner, name: str) -> int:
         """Output columns of `owner`'s weight `name` (the head's: its vocabulary)."""
         return (self.cfg.head_vocab_size or self.cfg.vocab_size) if name == "head" else getattr(owner, name)[...].shape[-1]
 
-    def _packed(self, owner, name: str) -> cpu_kernels.PackedWeight:
-        panels = getattr(owner, f"{name}_panels")[...]
-        return cpu_kernels.PackedWeight(panels, getattr(owner, f"{name}_scales")[...], self._out_width(owner, name))
-
-    def _amx(self, owner, name: str) -> cpu_kernels.AmxWeight | None:
-        """The AMX copy of `owner`'s weight `name`, or None where there is none."""
-        if not hasattr(owner, f"{name}_amx_hi"):
+    def _kernel_weight(self, owner, name: str, x: jax.Array):
+        """`owner`'s packed weight `name` where x `[T, in]` takes a CPU kernel (an AMX copy at any T, the skinny
+        panels up to `skinny_rows` tokens), else None."""
+        weight = packed_weight(owner, name, self._out_width(owner, name))
+        if isinstance(weight, cpu_kernels.PackedWeight) and not 0 < x.shape[0] <= self.skinny_rows:
             return None
-        return cpu_kernels.AmxWeight(getattr(owner, f"{name}_amx_hi")[...], getattr(owner, f"{name}_amx_lo")[...],
-                                     self._out_width(owner, name))
+        return weight
 
     def _linear(self, x: jax.Array, lp: Block, name: str) -> jax.Array:
-        """x `[T, in]` @ the layer's weight `name` `[in, out]`: the skinny CPU kernel for skinny x, else the AMX
-        kernel where the weight has an AMX copy, else XLA's dot."""
-        if self._skinny(x):
-            return cpu_kernels.skinny_matmul(x, self._packed(lp, name)).astype(x.dtype)
-        amx = self._amx(lp, name)
-        if amx is not None:
-            return cpu_kernels.amx_matmul(x, amx).astype(x.dtype)
+        """x `[T, in]` @ the layer's weight `name` `[in, out]`: a CPU kernel where `_kernel_weight` gives one,
+        else XLA's dot."""
+        weight = self._kernel_weight(lp, name, x)
+        if weight is not None:
+            return packed_product(x, weight).astype(x.dtype)
         return x @ getattr(lp, name)[...]
 
     def to_params(self) -> dict[str, np.ndarray]:
@@ -449,11 +457,9 @@ class Llama(nnx.Module):
         """
         if self.mesh is not None:
             return self._sharded_logits(hidden)
-        amx = self._amx(self, "head")
-        if self._skinny(hidden):
-            out = cpu_kernels.skinny_matmul(hidden, self._packed(self, "head"))
-        elif amx is not None:
-            out = cpu_kernels.amx_matmul(hidden, amx)
+        weight = self._kernel_weight(self, "head", hidden)
+        if weight is not None:
+            out = packed_product(hidden, weight)
         elif self.cfg.head_vocab_size:
             out = jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
         else:
@@ -491,9 +497,9 @@ class Llama(nnx.Module):
         and int32 `[N]` argmax of each row. On the AMX path (full vocabulary) the head and the reduction are
         one kernel that never writes the `[N, V]` logits; else `logits` then `cpu_kernels.log_softmax_gather`
         (AVX-512) or its jnp reference."""
-        amx = self._amx(self, "head")
-        if amx is not None and not self.cfg.head_vocab_size and not self._skinny(hidden):
-            return cpu_kernels.amx_head_log_softmax(hidden, amx, targets)
+        weight = self._kernel_weight(self, "head", hidden)
+        if isinstance(weight, cpu_kernels.AmxWeight) and not self.cfg.head_vocab_size:
+            return cpu_kernels.amx_head_log_softmax(hidden, weight, targets)
         logits = self.logits(hidden)
         native = jax.default_backend() == "cpu" and cpu_kernels.cpu_features() == "avx512"
         reduce = cpu_kernels.log_softmax_gather if native else cpu_kernels.log_softmax_gather_reference

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import cpu_kernels
 from model.config import ModelConfig
-from model.llama import keep_packed
+from model.llama import keep_packed, packed_product, packed_weight
 
 W = "medusa_w"  # float `[K, E, E]`
 B = "medusa_b"  # float `[K, E]`
@@ -89,11 +88,7 @@ class MedusaHeads(nnx.Module):
 
     def _product(self, x: jax.Array, name: str, n: int) -> jax.Array:
         """x `[T, in]` @ the packed weight `name` (`n` output columns)."""
-        if hasattr(self, f"{name}_amx_hi"):
-            weight = cpu_kernels.AmxWeight(getattr(self, f"{name}_amx_hi")[...], getattr(self, f"{name}_amx_lo")[...], n)
-            return cpu_kernels.amx_matmul(x, weight)
-        weight = cpu_kernels.PackedWeight(getattr(self, f"{name}_panels")[...], getattr(self, f"{name}_scales")[...], n)
-        return cpu_kernels.skinny_matmul(x, weight)
+        return packed_product(x, packed_weight(self, name, n))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 `[N, K, Vh]`: each head's logits over `head_ids` from hidden states `[N, E]`."""
