@@ -5,7 +5,7 @@ the same prompt token ids (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to
 float32 by both), and against a roofline measured in the same run.
 
   python benchmarks/decode_throughput.py [--batch_sizes=1,8] [--decode_tokens=64]
-      [--prefill_len=512] [--repeats=3] [--skip_transformers]
+      [--prefill_len=512] [--repeats=3] [--skip_transformers] [--temperature=0.8]
 
 What is measured (medians over --repeats, after a warm-up run so no
 compilation is timed; each repeat runs the engine and transformers measurements
@@ -66,6 +66,7 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "xla"], "Engine products over few t
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "Weights the CPU kernel streams (default: the model's dtype).")
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "native"], "Engine paged attention on CPU.")
+flags.DEFINE_float("temperature", 0.0, "Engine sampling temperature (seeded, top-p 0.95 when > 0); 0 is greedy.")
 flags.DEFINE_bool("breakdown", True, "Also time the pieces of an engine decode step (host vs device).")
 
 FALLBACK_PROMPTS = [
@@ -183,7 +184,9 @@ def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int, on_prefill
     prompts exceed one step's token budget, some requests start decoding there.
     """
     from engine import SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    t = FLAGS.temperature
+    sp = SamplingParams(temperature=t, top_p=0.95 if t > 0 else 1.0, seed=0 if t > 0 else None, max_tokens=n_tokens,
+                        ignore_eos=True)
     reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
     while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill (untimed)
         engine.step()
@@ -383,6 +386,8 @@ def main(argv):
             per_step = (tN - t1) / (N - 1)
             hf[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "t1": t1, "tN": tN,
                      "all_ms": [1e3 * (n - o) / (N - 1) for o, n in zip(runs["t1"], runs["tN"])]}
+            if FLAGS.temperature > 0:
+                continue
             # Greedy agreement: tokens before the first divergence, per request.
             agree[b] = [next((i for i, (x, y) in enumerate(zip(e, h)) if x != y), min(len(e), len(h)))
                         for e, h in zip(eng_tokens[b], hf_tokens[b])]
@@ -415,8 +420,10 @@ def main(argv):
           f"{cpus} CPUs ({platform.processor() or platform.machine()}) | jax {jax.__version__} "
           f"({jax.default_backend()}) | torch {torch.__version__} | torch threads {torch.get_num_threads()} | "
           f"python {platform.python_version()}")
+    t = FLAGS.temperature
+    sampling = f"temperature {t}, top-p 0.95, seeded" if t > 0 else "greedy"
     print(f"prompts: first {max(batch_sizes)} of {source}, chat-templated, lengths "
-          f"{[len(p) for p in prompt_ids]}; greedy, ignore_eos, {N} tokens/request "
+          f"{[len(p) for p in prompt_ids]}; {sampling}, ignore_eos, {N} tokens/request "
           f"({N - 1} timed decode steps); prefill: {len(long_ids)} tokens of long_context text; "
           f"medians of {R} repeats after a warm-up, engine and transformers interleaved")
     print(f"background load: other processes used {fmt(background, '.2f')} of {cpus} CPUs on average during "
@@ -477,6 +484,7 @@ def main(argv):
             print(f"  transformers batch {b}: ms/step per repeat {[round(x, 1) for x in hf[b]['all_ms']]}; "
                   f"median generate(1 token) {1e3 * hf[b]['t1']:.0f} ms, generate({N} tokens) "
                   f"{1e3 * hf[b]['tN']:.0f} ms")
+        if b in agree:
             print(f"  greedy agreement batch {b}: tokens identical before first divergence, per request "
                   f"(of {N}): {agree[b]}")
     for b in breakdown:
