@@ -148,8 +148,9 @@ class AmxWeight:
 
 def pack_amx(w, passes: int = 3) -> AmxWeight:
     """Packs W `[K, N]` (any float array) into AMX tiles: `passes` 3 keeps W as hi + lo bf16 parts (close to
-    fp32), 2 as bf16 alone (x's hi and lo parts each make a pass). Raises ValueError for another `passes` or a
-    non-2-D weight."""
+    fp32), 2 as bf16 alone (x's hi and lo parts each make a pass). A W exact in bf16 (a checkpoint stored in
+    bf16) has no lo part and takes 2 passes either way: the same sums, a third less to read. Raises ValueError
+    for another `passes` or a non-2-D weight."""
     if passes not in (2, 3):
         raise ValueError(f"amx passes must be 2 or 3, got {passes!r}")
     w = np.asarray(w, np.float32)
@@ -162,6 +163,8 @@ def pack_amx(w, passes: int = 3) -> AmxWeight:
     tiles = w.reshape(kp // 32, 16, 2, n_pad // 16, 16).transpose(3, 0, 1, 4, 2).reshape(n_pad // 16, kp // 32, 16, 32)
     hi = tiles.astype(jnp.bfloat16)
     lo = (tiles - hi.astype(np.float32)).astype(jnp.bfloat16) if passes == 3 else np.zeros(0, jnp.bfloat16)
+    if not lo.any():
+        lo = np.zeros(0, jnp.bfloat16)
     return AmxWeight(jnp.asarray(hi), jnp.asarray(lo), N)
 
 

@@ -267,7 +267,7 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         rows = jnp.arange(S)
 
         def confidence(h):  # [..., E] -> top-k (log-probabilities, tokens) of the head's distribution
-            return jax.lax.top_k(jax.nn.log_softmax(head.logits(h.reshape(-1, h.shape[-1])), axis=-1), k)
+            return head.top_k(h.reshape(-1, h.shape[-1]), k)
 
         single = _single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last], budget > 0)
         # The pool's feature before each row's first step token (that token's feature input; a drafting decode

@@ -79,3 +79,12 @@ class EagleHead(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 `[N, V]` draft logits of predicted features `[N, E]` (-1e30 outside `head_ids`)."""
         return self.body.logits(hidden)
+
+    def top_k(self, hidden: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The head's `k` most likely tokens for predicted features `[N, E]`, most likely first: (float32
+        `[N, k]` log-probabilities, int32 `[N, k]` token ids). Reads the `head_ids` columns alone (the others
+        have probability 0): a third of the vocabulary to normalize and search for this head."""
+        logprobs, idx = jax.lax.top_k(jax.nn.log_softmax(self.body.head_logits(hidden), axis=-1), k)
+        if self.cfg.head_vocab_size:
+            idx = self.body.head_ids[...][idx]
+        return logprobs, idx.astype(jnp.int32)

@@ -455,19 +455,23 @@ class Llama(nnx.Module):
         With `cfg.head_vocab_size`, only the `head_ids` columns are computed; the
         others are -1e30 (probability exactly 0 after softmax, finite under temperature).
         """
-        if self.mesh is not None:
-            return self._sharded_logits(hidden)
-        weight = self._kernel_weight(self, "head", hidden)
-        if weight is not None:
-            out = packed_product(hidden, weight)
-        elif self.cfg.head_vocab_size:
-            out = jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
-        else:
-            return self._full_head_dot(hidden)
+        out = self.head_logits(hidden)
         if not self.cfg.head_vocab_size:
             return out
         full = jnp.full((hidden.shape[0], self.cfg.vocab_size), -1e30, jnp.float32)
         return full.at[:, self.head_ids[...]].set(out, indices_are_sorted=True, unique_indices=True)
+
+    def head_logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits `[N, Vh]` of hidden states `[N, E]` over the head's own columns: `head_ids` with
+        `cfg.head_vocab_size` (Vh of them, in that order), else the whole vocabulary."""
+        if self.mesh is not None:
+            return self._sharded_logits(hidden)
+        weight = self._kernel_weight(self, "head", hidden)
+        if weight is not None:
+            return packed_product(hidden, weight)
+        if self.cfg.head_vocab_size:
+            return jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
+        return self._full_head_dot(hidden)
 
     def _sharded_logits(self, hidden: jax.Array) -> jax.Array:
         """`logits` of a vocabulary split over the mesh: each device's slice of the head, gathered whole."""

@@ -190,7 +190,8 @@ def test_amx_rows_do_not_depend_on_batch_mates():
 
 
 def test_pack_amx_round_trip_and_bad_input():
-    """hi + lo keep W to 2**-17 relative (3 passes); 2 passes keep W rounded to bf16 exactly."""
+    """hi + lo keep W to 2**-17 relative (3 passes); 2 passes keep W rounded to bf16 exactly, as 3 do for a W
+    exact in bf16 (its lo part would be zeros)."""
     w = np.random.default_rng(0).normal(0, 1, (40, 70)).astype(np.float32)
     three = ck.pack_amx(w, 3)
     assert three.hi.shape == (96 // 16, 64 // 32, 16, 32) and three.lo.shape == three.hi.shape  # K, N padded to 32s
@@ -198,6 +199,12 @@ def test_pack_amx_round_trip_and_bad_input():
     one = ck.pack_amx(w, 2)
     assert one.lo.size == 0 and one.nbytes == three.nbytes // 2
     np.testing.assert_array_equal(np.asarray(ck.unpack_amx(one, 40)), w.astype(ml_dtypes.bfloat16).astype(np.float32))
+    exact = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # a checkpoint stored in bf16: no lo part to keep
+    dropped = ck.pack_amx(exact, 3)
+    assert dropped.lo.size == 0
+    if ck.amx_available():
+        x = np.random.default_rng(1).normal(0, 1, (5, 40)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(ck.amx_matmul(x, dropped)), np.asarray(ck.amx_matmul(x, one)))
     with pytest.raises(ValueError, match="passes"):
         ck.pack_amx(w, 1)
     with pytest.raises(ValueError, match="shape"):

@@ -9,6 +9,7 @@ acceptance, for greedy equality, the chi-square tests and the pool contents.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -284,6 +285,21 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(eagle):
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
     mixed = _run(eagle, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
     assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
+
+
+def test_top_k_over_the_head_vocabulary_equals_it_over_the_full_logits(target):
+    """`EagleHead.top_k` reads the `head_ids` columns alone; the full logits put -1e30 elsewhere. Same tokens,
+    log-probabilities within float rounding (the drafting's confidence, EAGLE-2 §4.1)."""
+    base = _head(target, noise=0.05)
+    ids = np.sort(np.random.default_rng(3).choice(target.config.vocab_size, 40, replace=False)).astype(np.int32)
+    cfg = base.config.replace(head_vocab_size=40, tie_word_embeddings=True)
+    head = EagleHead(cfg, {**{k: v for k, v in base.params.items() if k != "lm_head"}, "head_ids": ids})
+    h = jnp.asarray(np.random.default_rng(4).standard_normal((6, cfg.hidden_size)).astype(np.float32))
+    logprobs, tokens = head.top_k(h, 5)
+    want_logprobs, want_tokens = jax.lax.top_k(jax.nn.log_softmax(head.logits(h), axis=-1), 5)
+    np.testing.assert_array_equal(tokens, want_tokens)
+    np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+    assert set(np.asarray(tokens).ravel()) <= set(ids.tolist())
 
 
 def test_save_and_load_round_trip(target, tmp_path):
