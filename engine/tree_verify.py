@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from engine.sampler import argmax, draw, filter_logits
-from model import numerics
 from engine.verify import ACCEPT_STREAM
+from model import numerics
 
 MAX_TREE_NODES = 32  # one int32 word of mask bits (pallas_kernels.reference.TREE_WINDOW)
 
