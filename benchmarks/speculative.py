@@ -73,7 +73,7 @@ flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The target's CPU kernel weights, in the plain and the speculative engines alike (default: "
                   "the model's dtype; bfloat16 on an AMX CPU runs every product on AMX tiles).")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
-                  "The draft's / head's weights in the CPU kernel (default: their dtype).")
+                  "The draft's / head's weights in the CPU kernel (default: the dtype their checkpoint stores).")
 flags.DEFINE_bool("require_equal", True, "Greedy: stop when a speculative output differs from the target's "
                   "(else count such requests: for backends whose products differ between window widths).")
 flags.DEFINE_float("temperature", 0.0, "0: greedy (speculative output asserted equal to the plain engine's); "

@@ -35,11 +35,12 @@ from __future__ import annotations
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import safetensors.numpy
 
 from checkpoints._layout import cast, gather, np_dtype, scatter
-from checkpoints.hf import HF_NAMES, hf_config_dict, load_hf_dir, open_safetensors
+from checkpoints.hf import HF_NAMES, checkpoint_dtype, hf_config_dict, load_hf_dir, open_safetensors
 from checkpoints.resolve import DEFAULT_MODEL, LoadedModel
 from model.config import ModelConfig
 from model import medusa
@@ -162,7 +163,8 @@ def draft_path(name_or_path: str) -> str:
 def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
     """Loads a draft for `target`: a name from `draft_names()` or a directory.
 
-    The draft gets the target's tokenizer, EOS ids and dtype. Raises
+    The draft gets the target's tokenizer, EOS ids and dtype; where its checkpoint
+    stores narrower weights (the bundled heads: bfloat16), `stored_dtype` says so. Raises
     FileNotFoundError when there is no such draft, ValueError when its
     vocabulary (or, for a projected embedding, the target's hidden size) does
     not match the target's.
@@ -183,7 +185,10 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
         tensors = open_safetensors(os.path.join(path, "model.safetensors"))
         params = {n: np.asarray(tensors[n]) for n in (medusa.W, medusa.B, medusa.ACCURACY, medusa.HEAD_IDS)}
         params[medusa.READOUT] = medusa.target_readout(tcfg, target.params)
-        return LoadedModel(tcfg.replace(name=os.path.basename(os.path.normpath(path))), params, target.tokenizer)
+        stored = "bfloat16" if params[medusa.W].dtype == ml_dtypes.bfloat16 else "float32"
+        return LoadedModel(tcfg.replace(name=os.path.basename(os.path.normpath(path))), params, target.tokenizer,
+                           _narrower(stored, dtype))
+    stored = checkpoint_dtype(hf)
     if "draft" not in hf:
         cfg, params = load_hf_dir(path, dtype)
     else:
@@ -207,4 +212,9 @@ def load_draft(name_or_path: str, target: LoadedModel) -> LoadedModel:
     if cfg.vocab_size != tcfg.vocab_size:
         raise ValueError(f"draft {path} has vocab_size {cfg.vocab_size}; the target has {tcfg.vocab_size}")
     cfg = cfg.replace(eos_token_ids=tcfg.eos_token_ids, bos_token_id=tcfg.bos_token_id)
-    return LoadedModel(cfg, params, target.tokenizer)
+    return LoadedModel(cfg, params, target.tokenizer, _narrower(stored, dtype))
+
+
+def _narrower(stored: str, dtype: str) -> str | None:
+    """`stored` where it is narrower than `dtype` (bfloat16 under float32), else None."""
+    return stored if (stored, dtype) == ("bfloat16", "float32") else None

@@ -58,8 +58,9 @@ def open_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _checkpoint_dtype(hf: dict) -> str:
-    # transformers 5 writes `dtype`, 4.x `torch_dtype`; anything not bf16 computes in float32.
+def checkpoint_dtype(hf: dict) -> str:
+    """The dtype a parsed `config.json` says the weights are stored in: "bfloat16", else "float32" (what
+    anything not bf16 computes in). transformers 5 writes `dtype`, 4.x `torch_dtype`."""
     return "bfloat16" if (hf.get("dtype") or hf.get("torch_dtype")) == "bfloat16" else "float32"
 
 
@@ -75,7 +76,7 @@ def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[Mode
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     cfg = ModelConfig.from_hf_config(path)
-    cfg = cfg.replace(dtype=dtype or _checkpoint_dtype(hf))
+    cfg = cfg.replace(dtype=dtype or checkpoint_dtype(hf))
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:

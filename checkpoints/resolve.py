@@ -33,6 +33,10 @@ class LoadedModel:
     config: ModelConfig
     params: dict[str, np.ndarray]  # named and shaped as model.llama.param_specs(config)
     tokenizer: Tokenizer
+    # The dtype the checkpoint stores its weights in where it is narrower than `config.dtype` (a bf16 draft
+    # computed in float32), else None: the default dtype of the CPU kernels' copies (`engine.step.build_model`),
+    # which then hold exactly the stored values.
+    stored_dtype: str | None = None
 
 
 def cache_dir() -> str:

@@ -37,7 +37,8 @@ class EngineConfig:
     # Products over few tokens (decode, verify, small batches): "auto" is the native CPU kernel
     # (`cpu_kernels`) on CPU when it builds and loads, else XLA's dot; "xla" always XLA's dot.
     matmul: str = "auto"  # or "xla"
-    # The weights the CPU kernel streams, for the target and the draft: None keeps the model's dtype;
+    # The weights the CPU kernel streams, for the target and the draft: None keeps the dtype the checkpoint
+    # stores (`LoadedModel.stored_dtype`: the bundled bf16 heads), else the model's;
     # "bfloat16" halves the bytes (activations stay in the model's dtype, sums in fp32); "int8"
     # quantizes them with per-column scales (meant for drafts: the output stays exact).
     kernel_dtype: str | None = None

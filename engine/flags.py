@@ -38,7 +38,7 @@ flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "--dtype). Default: the model's dtype.")
 flags.DEFINE_enum("draft_kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The draft's weights in the CPU kernel; int8 quantizes them (per-column scales). "
-                  "Default: the draft's dtype.")
+                  "Default: the dtype its checkpoint stores (bfloat16 for the bundled heads), else the draft's.")
 # Engine limits (`engine.EngineConfig`).
 flags.DEFINE_integer("block_size", 16, "KV block size in tokens (a power of two).")
 flags.DEFINE_integer("num_blocks", None, "KV pool size in blocks; default: sized from --kv_cache_bytes.")

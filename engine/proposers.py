@@ -456,7 +456,8 @@ class MedusaProposer(DraftModelProposer):
       config: the tree (`tree_nodes`), its depth cap (`num_speculative_tokens`) and the adaptive settings.
       target_config: the target's `ModelConfig`.
       engine_config: the `EngineConfig`; on CPU the heads' products then run in the native kernels, with
-        weights in its `draft_kernel_dtype` (`engine.step.kernel_layout`). None: XLA's dot.
+        weights in its `draft_kernel_dtype` (default: the heads' `stored_dtype`, else the target's dtype;
+        `engine.step.kernel_layout`). None: XLA's dot.
     Raises:
       ValueError: not Medusa heads, heads of another width, or more tree nodes than the heads can fill.
     """
@@ -469,7 +470,8 @@ class MedusaProposer(DraftModelProposer):
             raise ValueError(f"{heads.config.name} are not Medusa heads (no {medusa.W})")
         Proposer.__init__(self, config)
         module = medusa.MedusaHeads(target_config, heads.params)
-        layout = engine_config and kernel_layout(engine_config, engine_config.draft_kernel_dtype or target_config.dtype)
+        layout = engine_config and kernel_layout(
+            engine_config, engine_config.draft_kernel_dtype or heads.stored_dtype or target_config.dtype)
         self.packed_bytes = module.pack_linears(*layout) if layout else 0
         self.model_config = target_config
         graphdef, state = nnx.split(module)

@@ -95,13 +95,14 @@ def kernel_layout(config, dtype: str) -> tuple[str, int, int | None] | None:
 def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
     (a `LoadedModel`), with the CPU kernels' packed weights when `config.matmul` (an `EngineConfig`) is "auto" on CPU
-    and the kernels load (`kernel_dtype`: their dtype, default the model's): AMX copies alone where the CPU has AMX
-    (every product on AMX tiles), else the skinny kernel's. With `mesh` (a target under tensor parallelism) the `Llama`'s
-    weights are split over it and XLA's dot runs the products. Returns (graphdef, `Weights` of the state, bytes of
-    the packed copies)."""
+    and the kernels load (`kernel_dtype`: their dtype, default `loaded.stored_dtype`, else the model's): AMX
+    copies alone where the CPU has AMX (every product on AMX tiles), else the skinny kernel's. With `mesh` (a
+    target under tensor parallelism) the `Llama`'s weights are split over it and XLA's dot runs the products.
+    Returns (graphdef, `Weights` of the state, bytes of the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
              else Llama(loaded.config, params=loaded.params, mesh=mesh))
-    layout = None if mesh is not None else kernel_layout(config, kernel_dtype or loaded.config.dtype)
+    dtype = kernel_dtype or loaded.stored_dtype or loaded.config.dtype
+    layout = None if mesh is not None else kernel_layout(config, dtype)
     packed = model.pack_linears(*layout) if layout else 0
     graphdef, state = nnx.split(model)
     return graphdef, Weights.of(state), packed

@@ -113,13 +113,23 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
 
 
-def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None) -> int:
+def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None, source: str | None = None,
+                transposed: bool = False) -> int:
     """Stores `owner`'s weight `name` (`w` `[K, N]`) in AMX tiles with `amx_passes` (`{name}_amx_hi`,
-    `{name}_amx_lo`), else in the skinny kernel's panels (`{name}_panels`, `{name}_scales`); returns their bytes."""
+    `{name}_amx_lo`), else in the skinny kernel's panels (`{name}_panels`, `{name}_scales`); returns their bytes.
+
+    `source`: the variable of `owner` that XLA's dot reads for products the skinny kernel does not take (`w`,
+    or `w.T` when `transposed`). Panels narrower than float32 overwrite it with their own values
+    (`cpu_kernels.unpack`), so a step's logits do not jump between the two products with its token count.
+    """
     if amx_passes is None:
         p = cpu_kernels.pack(w, dtype)
         setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
         setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
+        if source is not None and dtype != "float32":
+            var = getattr(owner, source)
+            values = cpu_kernels.unpack(p)
+            var[...] = (values.T if transposed else values).astype(var[...].dtype)
         return p.nbytes
     a = cpu_kernels.pack_amx(w, amx_passes)
     setattr(owner, f"{name}_amx_hi", nnx.Variable(a.hi))
@@ -313,7 +323,7 @@ class Llama(nnx.Module):
         then every product runs on the AMX kernel when `amx_passes` is given (`cpu_kernels.pack_amx`: 3
         passes, close to fp32; 2, bf16 weights), else products over at most `max_rows` tokens on the skinny
         kernel (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8") and larger ones on
-        XLA's dot over the original weights (the choice is made at trace time from static shapes).
+        XLA's dot over the same values (`keep_packed`; the choice is made at trace time from static shapes).
 
         Returns the bytes the packed copies take. Call before `nnx.split`. Raises ValueError on a tensor
         parallel model (the kernels take whole weights on one device).
@@ -323,14 +333,16 @@ class Llama(nnx.Module):
         total = 0
         for lp in self.layers:
             for name in self.LINEARS:
-                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes)
+                total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes,
+                                     source=name)
+        # A tied embedding keeps its own values: it is also the input lookup table.
         if self.cfg.head_vocab_size:
-            head = np.asarray(self.head[...], np.float32).T
+            head, source, transposed = np.asarray(self.head[...], np.float32).T, "head", True
         elif self.cfg.tie_word_embeddings:
-            head = np.asarray(self.embed[...], np.float32).T
+            head, source, transposed = np.asarray(self.embed[...], np.float32).T, None, False
         else:
-            head = np.asarray(self.lm_head[...], np.float32)
-        total += keep_packed(self, "head", head, dtype, amx_passes)
+            head, source, transposed = np.asarray(self.lm_head[...], np.float32), "lm_head", False
+        total += keep_packed(self, "head", head, dtype, amx_passes, source, transposed)
         self.skinny_rows = 0 if amx_passes else max_rows
         return total
 

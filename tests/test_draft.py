@@ -63,6 +63,27 @@ def test_same_width_draft_with_partial_head(tmp_path):
     assert np.all(np.asarray(jax.nn.softmax(got, -1))[..., outside] == 0)
 
 
+def test_a_bf16_checkpoint_sets_the_kernels_dtype(tmp_path):
+    """A draft stored in bf16 and computed in fp32 (the bundled heads) packs bf16 kernel weights by default:
+    exactly its stored values, in half the bytes; fp32 storage keeps fp32."""
+    import cpu_kernels
+    from engine.config import EngineConfig
+    from engine.step import build_model
+
+    target = load_model("tiny-llama")
+    params = random_params(TINY_DRAFT, seed=3)
+    projection = np.random.default_rng(0).normal(0, 0.1, (target.config.hidden_size, 32)).astype(np.float32)
+    packed = {}
+    for storage in ("bfloat16", "float32"):
+        save_draft(tmp_path / storage, TINY_DRAFT, params, projection, "tiny-llama", storage_dtype=storage)
+        draft = load_draft(str(tmp_path / storage), target)
+        assert draft.config.dtype == "float32"
+        assert draft.stored_dtype == ("bfloat16" if storage == "bfloat16" else None)
+        packed[storage] = build_model(draft, EngineConfig())[2]
+    assert cpu_kernels.available()
+    assert packed["bfloat16"] * 2 == packed["float32"] > 0
+
+
 def test_draft_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no draft"):
         load_draft(str(tmp_path / "missing"), load_model("tiny-llama"))

@@ -63,6 +63,7 @@ def test_candidates_are_each_heads_top_tokens_and_survive_a_save(tmp_path):
     save_medusa(tmp_path / "m", {n: loaded.params[n] for n in (medusa.W, medusa.B, medusa.ACCURACY, medusa.HEAD_IDS)},
                 "tiny", storage_dtype="float32")
     again = load_draft(str(tmp_path / "m"), target)
+    assert again.stored_dtype is None  # float32 storage: the kernels keep the target's dtype
     assert np.array_equal(np.asarray(medusa.MedusaHeads(target.config, again.params).candidates(jnp.asarray(h), 3)),
                           got)
     with pytest.raises(ValueError, match="need"):
