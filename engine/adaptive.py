@@ -5,7 +5,8 @@
 `min_acceptance` and climbs it back when verifies pay; `StepCosts` keeps the
 measured seconds of each step shape and `_Acceptance` each request class's
 decayed acceptance rate, which the cost gate in `engine.proposers.Proposer`
-weighs with `expected_accepted`.
+weighs with `expected_accepted`; `CutAcceptance` replaces it for token trees
+(the measured accepted tokens of every tree cut).
 
 Source: Leviathan et al. 2023, §3.1 (the per-token acceptance rate alpha and
 the expected tokens of a window).
@@ -14,6 +15,8 @@ the expected tokens of a window).
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from scheduler.packing import bucket_for
 
@@ -111,6 +114,55 @@ class _Acceptance:
     @property
     def alpha(self) -> float:
         return self.accepted / self.tried
+
+
+class CutAcceptance:
+    """Expected accepted tokens of a token tree cut to its `n` best nodes, for every n, as decayed means.
+
+    One alpha prices a tree cut badly: a tree's acceptance is not geometric in its depth (its first level is
+    several candidates wide), so at a dip in alpha a gate pricing cuts by `expected_accepted(alpha, depth)`
+    shrinks a tree that still pays. Instead every verify of an `m`-node tree reports the rank of each accepted
+    node among its candidates (`StepOutput.path_rank`); ranks grow along a path, so the tree cut to its `n`
+    best nodes (n <= m) would have accepted the path's nodes of rank < n, at most `depths[n]` of them: one
+    observation for each of those cuts from a single verify (with coupled verify the target's tokens do not
+    depend on the tree, so this is what that cut would have accepted, up to candidates that a program of
+    fewer levels ranks differently). Each observed cut's mean weighs past verifies by `decay` each. Cuts
+    larger than the verified one are not observed: their means move toward the optimistic prior
+    (`depths[n]`, every level accepted) by `1 - relax_decay` per verify and their evidence decays by as
+    much, so a cut the gate stopped using after a stretch of poor verifies is tried again (at 0.95, a mean
+    of 1.5 of 4 is at 2.9 after 20 steps) and a fresh verify then counts for more than the stale past.
+
+    Args:
+      depths: int `[N + 1]`, the most tokens a tree of n nodes can accept (its levels); depths[0] = 0.
+      decay: weight of the past per observation.
+      relax_decay: how much of the mean's distance to the prior, and of its evidence, is kept per verify
+        (or held step, `relax`) that does not observe a cut.
+    """
+
+    def __init__(self, depths, decay: float = 0.95, relax_decay: float = 0.95):
+        self.depths = np.asarray(depths, np.float64)
+        self.decay, self.relax_decay = decay, relax_decay
+        self.mean, self.weight = self.depths.copy(), np.ones_like(self.depths)
+
+    def add(self, num_nodes: int, ranks) -> None:
+        """One verify of a tree of `num_nodes` nodes whose accepted nodes had ranks `ranks` (ascending)."""
+        n = np.arange(len(self.depths))
+        seen = n <= num_nodes
+        would = np.minimum(self.depths, np.searchsorted(np.asarray(ranks), n, side="left"))
+        weight = self.decay * self.weight + 1
+        observed = self.mean + (would - self.mean) / weight
+        self.relax()
+        self.mean, self.weight = np.where(seen, observed, self.mean), np.where(seen, weight, self.weight)
+
+    def relax(self) -> None:
+        """Every cut moves toward the prior (also each step in which the cost gate gives this class no drafts)."""
+        r = self.relax_decay
+        self.mean = r * self.mean + (1 - r) * self.depths
+        self.weight = r * self.weight
+
+    def expected(self, n: int) -> float:
+        """Expected accepted tokens of a tree cut to its `n` best nodes (n clipped to N)."""
+        return float(self.mean[min(n, len(self.depths) - 1)])
 
 
 @dataclasses.dataclass

@@ -275,6 +275,8 @@ class Engine:
                 depth = self.proposer.depth(r, s.num_draft)  # a tree's path positions
                 self.stats.add_verify(depth, accepted[i])
                 self.proposer.record(r, depth, accepted[i], self.num_steps)
+                if result.path_rank is not None:
+                    self.proposer.record_tree(r, s.num_draft, result.path_rank[i, :accepted[i]])
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()
             logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None

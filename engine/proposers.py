@@ -24,8 +24,10 @@ drawn from, so the output follows the target's distribution exactly:
 
 Each step, before scheduling, `begin_step` runs the cost gate: from the
 measured seconds of every step shape (`StepCosts`) and each request class's
-acceptance rate, it picks the draft lengths that give the most expected
-tokens per second for this batch, which is no drafting where speculation
+acceptance (a per-token rate for chains; for token trees whose verifies
+report where the accepted nodes ranked, the mean accepted tokens of every
+tree cut, `engine.adaptive.CutAcceptance`), it picks the draft lengths that
+give the most expected tokens per second for this batch, which is no drafting where speculation
 does not pay (a large batch, a class that rarely accepts); once it has held a
 request class at no drafts for `HOLD_STEPS` steps in a row, the class's
 requests stop keeping their draft state, so a device proposer's steps then
@@ -42,8 +44,8 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from engine.adaptive import (AdaptiveSpeculation, SpeculationConfig, StepCosts, _Acceptance, attention_pairs,
-                             expected_accepted)
+from engine.adaptive import (AdaptiveSpeculation, CutAcceptance, SpeculationConfig, StepCosts, _Acceptance,
+                             attention_pairs, expected_accepted)
 from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, make_eagle_tree_step, make_medusa_step,
                                 make_spec_step)
 from engine.step import KVPool, Weights, build_model, kernel_layout, kv_bytes_per_block
@@ -72,7 +74,7 @@ class Proposer:
     (and, for n-gram, the lookup) allows a request; the cost gate then picks,
     among draft-length caps on the ladder and the top m requests by their
     class's acceptance rate, the choice with the most expected tokens per
-    second of this step's shape (`StepCosts`, measured as the engine runs and
+    second (`expected_tokens`) of this step's shape (`StepCosts`, measured as the engine runs and
     priced at this step's contexts: each draft token attends its row's whole
     context; an unmeasured shape is priced as the plain step plus the cost difference
     of the cheapest measured steps of the two token buckets, such as prefill
@@ -99,6 +101,7 @@ class Proposer:
         self.policy = AdaptiveSpeculation(config)
         self.costs: StepCosts | None = None  # set by the engine; None: no gate
         self._acceptance: dict = {}  # acceptance_key -> _Acceptance, alpha's estimate
+        self._cuts: dict = {}  # acceptance_key -> CutAcceptance, for proposers whose verifies report path ranks
         self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
         self._held: dict[str, int] = {}  # request class -> steps in a row the gate gave it no drafts
 
@@ -130,6 +133,15 @@ class Proposer:
         """The estimated per-token acceptance rate of `request`'s next proposal (1 before any verify)."""
         return self._acceptance.setdefault(self.acceptance_key(request), _Acceptance()).alpha
 
+    def expected_tokens(self, request: Request, k: int) -> float:
+        """Expected accepted draft tokens of `request`'s next proposal cut to `k` tokens: the class's measured
+        mean for a tree cut to its k best nodes once its verifies have reported path ranks (`record_tree`),
+        else `expected_accepted(alpha, depth)`."""
+        cuts = self._cuts.get(self.acceptance_key(request))
+        if cuts is not None:
+            return cuts.expected(k)
+        return expected_accepted(self.alpha(request), self.depth(request, k))
+
     def begin_step(self, decodes: list[Request], step: int) -> None:
         """Chooses this step's draft length for each of `decodes` (the requests that may decode)."""
         self._drafts = {r.request_id: self.wanted(r, step) for r in decodes}
@@ -152,7 +164,7 @@ class Proposer:
                 continue
             a = self.alpha(r)
             if self._draft_dependent(r):
-                fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + expected_accepted(a, self.depth(r, k))
+                fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + self.expected_tokens(r, k)
                 work += self._extra_pairs(r, k)
             else:
                 rows.append((a, k, r))
@@ -163,7 +175,7 @@ class Proposer:
             drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
             for m, (a, k, r) in enumerate(rows, 1):
                 k = min(k, cap)
-                drafted, tokens, top = drafted + k, tokens + expected_accepted(a, self.depth(r, k)), max(top, k)
+                drafted, tokens, top = drafted + k, tokens + self.expected_tokens(r, k), max(top, k)
                 work += self._extra_pairs(r, k)
                 rate = tokens / self._cost(B, drafted, top, work, plain_at, base)
                 if rate > best:
@@ -179,6 +191,8 @@ class Proposer:
         held = {self.acceptance_key(r) for _, _, r in rows} - {self.acceptance_key(r) for _, _, r in rows[:m] if cap}
         for key in held:
             self._acceptance[key].relax()
+            if key in self._cuts:
+                self._cuts[key].relax()
         for _, _, r in rows:
             if self._held[r.request_class] >= HOLD_STEPS:
                 self.release(r)
@@ -274,6 +288,15 @@ class Proposer:
         if num_draft:
             self._acceptance.setdefault(self.acceptance_key(request), _Acceptance()).add(
                 num_accepted, min(num_draft, num_accepted + 1))
+
+    def record_tree(self, request: Request, num_nodes: int, ranks) -> None:
+        """One verify of a `num_nodes`-node token tree for `request` whose accepted nodes had ranks `ranks`
+        (`StepOutput.path_rank`): updates the class's expected accepted tokens per tree cut (`CutAcceptance`)."""
+        key = self.acceptance_key(request)
+        if key not in self._cuts:
+            depths = [0] + [self.depth(request, n) for n in range(1, max(self.program_ks) + 1)]
+            self._cuts[key] = CutAcceptance(depths)
+        self._cuts[key].add(num_nodes, ranks)
 
     def fork(self, parent: Request, children: list[Request]) -> None:
         """The samples of an n > 1 request start from its state."""
@@ -418,10 +441,12 @@ class EagleProposer(DraftModelProposer):
         return self.gate_caps if self.config.tree_nodes else super().program_ks
 
     def depth(self, request: Request, k: int) -> int:
-        """A tree of `k` nodes is at most `eagle_tree_shape`'s levels deep."""
-        if not self.config.tree_nodes:
+        """A tree of `k` nodes is at most k deep and at most as deep as the levels (`eagle_tree_shape`) of the
+        program that drafts it, the smallest of `program_ks` that holds k nodes."""
+        if not self.config.tree_nodes or not k:
             return k
-        return eagle_tree_shape(k, self.config.tree_branching, self.config.num_speculative_tokens)[1]
+        K = min(c for c in self.program_ks if c >= k)
+        return min(k, eagle_tree_shape(K, self.config.tree_branching, self.config.num_speculative_tokens)[1])
 
     def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
         """Trees: placeholder chains (the program picks each row's tree and rewrites its masks and positions)."""

@@ -148,11 +148,15 @@ class StepOutput:
     num_emitted: int32 `[S]`.
     sampled: log-probabilities of each slot as a host `Sampled` with
       `[S, K+1]` leading dims, or None when no request asked for them.
+    path_rank: int32 `[S, K]`, the rank of each accepted token-tree node among
+      its row's candidates (-1 past the path; `engine.speculative.make_eagle_tree_step`),
+      or None (chains, host proposers).
     """
 
     tokens: np.ndarray
     num_emitted: np.ndarray
     sampled: Sampled | None
+    path_rank: np.ndarray | None = None
 
 
 def resolve_attention(name: str) -> Callable:
@@ -242,8 +246,9 @@ class ModelRunner:
         return pack(StepPlan([], []), 1, self.max_blocks_per_seq, (T,), (S,), {}, spec_k)
 
     def execute(self, batch: StepBatch, spec: SpecBatch | None,
-                spec_k: int | None) -> tuple[Sampled, jax.Array | None]:
-        """Runs the step program on device inputs; returns device `(sampled, num_emitted int32 [S])`.
+                spec_k: int | None) -> tuple[Sampled, jax.Array | None, jax.Array | None]:
+        """Runs the step program on device inputs; returns device `(sampled, num_emitted int32 [S], path_rank)`
+        (`StepOutput`).
 
         `spec_k` None runs the target alone (num_emitted is None: one token
         per row); otherwise the draft + verify program for that K
@@ -254,17 +259,17 @@ class ModelRunner:
         if spec_k is None:
             sampled, pool = self._step(self.state, self.pools[0], batch)
             self.pools = (pool, *self.pools[1:])
-            return sampled, None
+            return sampled, None, None
         if not self.proposer.on_device:
             make = make_tree_verify_step if self.proposer.config.tree_nodes else make_verify_step
             step = make(self.graphdef, self._attention, spec_k)
             sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
             self.pools = (pool,)
-            return sampled, num_emitted
+            return sampled, num_emitted, None
         step = self.proposer.step_program(self.graphdef, self._attention, spec_k)
-        sampled, num_emitted, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
+        sampled, num_emitted, path_rank, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
         self.pools = tuple(pools)
-        return sampled, num_emitted
+        return sampled, num_emitted, path_rank
 
     def run(self, packed: PackedBatch, spec_k: int | None, timing: StepTiming | None = None) -> StepOutput:
         """Copies `packed` to the device, runs the step program and makes the step's one read back.
@@ -276,17 +281,17 @@ class ModelRunner:
         batch = StepBatch.from_packed(packed)
         spec = SpecBatch.from_packed(packed.spec) if spec_k is not None else None
         t1 = time.perf_counter()
-        sampled, num_emitted = self.execute(batch, spec, spec_k)
+        sampled, num_emitted, path_rank = self.execute(batch, spec, spec_k)
         S = packed.seq_lens.shape[0]
         if num_emitted is None:
             num_emitted = np.ones(S, np.int32)
         if not packed.want_logprobs.any():
-            tokens, num_emitted = jax.device_get((sampled.tokens, num_emitted))
-            out = StepOutput(tokens.reshape(S, -1), num_emitted, None)
+            tokens, num_emitted, path_rank = jax.device_get((sampled.tokens, num_emitted, path_rank))
+            out = StepOutput(tokens.reshape(S, -1), num_emitted, None, path_rank)
         else:
-            sampled, num_emitted = jax.device_get((sampled, num_emitted))
+            sampled, num_emitted, path_rank = jax.device_get((sampled, num_emitted, path_rank))
             sampled = jax.tree.map(lambda x: x.reshape(S, -1, *x.shape[1:]), sampled)
-            out = StepOutput(sampled.tokens, num_emitted, sampled)
+            out = StepOutput(sampled.tokens, num_emitted, sampled, path_rank)
         if timing is not None:
             timing.num_tokens, timing.num_seqs, timing.spec_k = packed.token_ids.shape[0], S, spec_k
             timing.to_device, timing.device = t1 - t0, time.perf_counter() - t1

@@ -97,10 +97,12 @@ def _single_token_batch(batch: StepBatch, tokens: jax.Array, positions: jax.Arra
 def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, attention: Callable, K: int):
     """Returns the jitted `step(target_state, draft_state, pool, draft_pool, batch, spec)`.
 
-    Returns `(sampled, num_emitted int32 [S], pool, draft_pool)`: `sampled`
+    Returns `(sampled, num_emitted int32 [S], path_rank, pool, draft_pool)`: `sampled`
     is an `engine.step.Sampled` over the `S * (K+1)` verify slots (row-major;
-    log-probabilities only if some row wants them) and row `s` emits
-    `sampled.tokens[s * (K+1):][:num_emitted[s]]`. Both pools are donated. `K`
+    log-probabilities only if some row wants them), row `s` emits
+    `sampled.tokens[s * (K+1):][:num_emitted[s]]`, and `path_rank` is None (a chain's
+    accepted tokens are its first ones; token-tree programs return ranks, as
+    `make_eagle_tree_step` does). Both pools are donated. `K`
     (static) is the largest draft length in the step; `K = 0` only keeps the
     draft's KV in step with the target's and samples as `make_step` does.
     """
@@ -130,7 +132,7 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
         token_ids, draft_tokens, draft_probs = _place_drafts(batch, spec, tokens, probs, V)
         sampled, num_emitted, pool, _ = _target_verify(target, pool, batch, spec, token_ids, draft_tokens,
                                                        draft_probs, attention)
-        return sampled, num_emitted, pool, draft_pool
+        return sampled, num_emitted, None, pool, draft_pool
 
     return step
 
@@ -168,7 +170,7 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
     """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an
     EAGLE head (see the module docstring).
 
-    Returns `(sampled, num_emitted, pool, head_pool, features)`, the first two as
+    Returns `(sampled, num_emitted, path_rank, pool, head_pool, features)`, the first three as
     `make_spec_step`'s; the three pools are donated. `K = 0` runs no draft
     pass but keeps the feature pool and the head's KV up to date.
     """
@@ -207,7 +209,7 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
         rows = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(T), side="right") - 1, 0, S - 1)
         prev = _features_before(features, batch.block_tables, rows, batch.positions)
         _, head_pool = head(token_ids, prev, batch.positions, paged_attend(batch, attention), head_pool)
-        return sampled, num_emitted, pool, head_pool, features
+        return sampled, num_emitted, None, pool, head_pool, features
 
     return step
 
@@ -237,8 +239,11 @@ def _ancestor_bits(parents: jax.Array, base: jax.Array) -> jax.Array:
 def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int,
                          branching: int, max_depth: int):
     """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an EAGLE
-    head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns;
-    the three pools are donated.
+    head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns
+    but for `path_rank`, int32 `[S, K]`: the rank (0 = best) by confidence of each accepted node among its row's
+    candidates, -1 past the accepted path. Ranks grow along a path, so a tree cut to its `n` best nodes (and at
+    most `eagle_tree_shape(n, ...)[1]` levels) would have accepted the path's nodes of rank < n: the cost
+    gate's estimate of what each cut accepts (`engine.adaptive.CutAcceptance`). The three pools are donated.
 
     Each drafting row's tree is grown on the device. The head runs on the root (its last real token) and
     proposes its top-k children (k = `eagle_tree_shape`); each further level expands the k nodes of highest
@@ -346,6 +351,7 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         scatter = lambda values, fill: jnp.full((S, K + 1), fill, jnp.int32).at[rows[:, None], node].set(
             values, mode="drop")  # candidates -> window nodes 0..K-1
         n_tok, n_parent, n_depth = scatter(jnp.concatenate(c_tok, 1), 0), scatter(parent_node, 0), scatter(depth, 1)
+        n_rank = scatter(rank.astype(jnp.int32), 0)
         parents = jnp.concatenate([jnp.full((S, 1), -1, jnp.int32), n_parent[:, :K]], 1)
         base = last - batch.query_start_loc[:-1]
         slots = last[:, None] + jnp.arange(K + 1)[None]  # packed index of the root and window nodes
@@ -357,7 +363,9 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         batch = batch.replace(token_ids=token_ids, positions=positions)
         spec = spec.replace(num_draft=jnp.where(budget > 0, num_draft, 0),
                             parents=jnp.where((budget > 0)[:, None], parents, spec.parents), tree_mask=tree_mask)
-        sampled, num_emitted, pool, hidden, move = _tree_verify(target, pool, batch, spec, token_ids, K, attention)
+        sampled, num_emitted, pool, hidden, move, path = _tree_verify(target, pool, batch, spec, token_ids, K,
+                                                                      attention)
+        path_rank = jnp.where(path > 0, jnp.take_along_axis(n_rank, jnp.maximum(path - 1, 0), 1), -1)
         B = features.f.shape[2]
         token_rows = jnp.clip(jnp.searchsorted(batch.query_start_loc, jnp.arange(T), side="right") - 1, 0, S - 1)
         f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
@@ -369,7 +377,8 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         parent_at = jnp.where(is_node[:, 1:], last[:, None] + parents[:, 1:], 0)
         prev = prev.at[at[:, 1:]].set(hidden[parent_at].astype(prev.dtype), mode="drop")
         _, head_pool = head(token_ids, prev, batch.positions, paged_attend(batch, attention, tree_mask), head_pool)
-        return sampled, num_emitted, pool, KVPool(move(head_pool.k), move(head_pool.v)), FeaturePool(move(f))
+        return (sampled, num_emitted, path_rank, pool, KVPool(move(head_pool.k), move(head_pool.v)),
+                FeaturePool(move(f)))
 
     return step
 
@@ -451,8 +460,9 @@ def _tree_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_
                  attention: Callable):
     """The target over the packed batch with token trees in its verify windows, then the coupled tree verify
     and the accepted paths' KV moves (see `make_tree_verify_step`). Returns `(sampled, num_emitted, pool,
-    hidden [T, E], move)`: `hidden` per packed token, and `move(x)`, which moves the accepted paths' slots
-    of any per-slot array laid out as the KV pool (`[L, P, B, H, D]`) as the KV was moved."""
+    hidden [T, E], move, path)`: `hidden` per packed token, `move(x)`, which moves the accepted paths' slots
+    of any per-slot array laid out as the KV pool (`[L, P, B, H, D]`) as the KV was moved, and `path` int32
+    `[S, K]`, the window node (1..K) of each accepted node, -1 past the path."""
     S = spec.num_draft.shape[0]
     hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention, spec.tree_mask), pool)
     rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
@@ -476,7 +486,7 @@ def _tree_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_
     sampled = token_logprobs(logits, at_node.reshape(-1)[flat], batch.want_logprobs[seq])
     by_slot = slot[rows_, jnp.maximum(source, 0)].reshape(-1)
     sampled = jax.tree.map(lambda x: x[by_slot], sampled).replace(tokens=emitted.reshape(-1))
-    return sampled, num_emitted, pool, hidden, move
+    return sampled, num_emitted, pool, hidden, move, path[:, :K]
 
 
 @functools.cache
@@ -500,8 +510,9 @@ def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K:
 def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, attention: Callable,
                      K: int, tree: tuple[tuple[int, ...], tuple[int, ...]]):
     """Returns the jitted `step(target_state, heads_state, pool, features, batch, spec)` of Medusa heads
-    (`model.medusa.MedusaHeads`), returning `(sampled, num_emitted, pool, features)` as `make_spec_step`
-    does; the pools are donated.
+    (`model.medusa.MedusaHeads`), returning `(sampled, num_emitted, path_rank, pool, features)` as
+    `make_eagle_tree_step` does (a node's rank is its index in the static tree, whose every prefix is the best
+    tree of its size); the pools are donated.
 
     With `K` > 0, each drafting row's heads read the target's feature at the position before its last real
     token (the hidden state whose logits gave that token, from the `FeaturePool`) and their candidates fill
@@ -525,8 +536,9 @@ def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef
             candidates = heads.candidates(prev, n)  # [S, heads, n]
             token_ids = token_ids.at[spec.draft_token_index].set(candidates[:, heads_of, ranks_of], mode="drop")
         B = features.f.shape[2]
-        sampled, num_emitted, pool, hidden, move = _tree_verify(target, pool, batch, spec, token_ids, K, attention)
+        sampled, num_emitted, pool, hidden, move, path = _tree_verify(target, pool, batch, spec, token_ids, K,
+                                                                      attention)
         f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
-        return sampled, num_emitted, pool, FeaturePool(move(f))
+        return sampled, num_emitted, path - (path > 0), pool, FeaturePool(move(f))
 
     return step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs, expected_accepted
+from engine.adaptive import CutAcceptance, SpeculationConfig, StepCosts, attention_pairs, expected_accepted
 from engine.prompt_lookup import NgramProposer
 from engine.proposers import Proposer
 from scheduler.packing import power_of_two_buckets
@@ -274,6 +274,49 @@ def test_the_gate_cuts_trees_to_the_window_that_pays(window_ms, want):
     assert p.alpha(_decodes(1)[0]) == pytest.approx(0.5, abs=0.01)
     p.costs.observe(1, 1, None, 0.020)
     for T, ms in window_ms.items():
+        p.costs.observe(T, 1, 12, ms / 1000)
+    [r] = _decodes(1)
+    p.begin_step([r], 0)
+    assert p.draft_len(r, 0) == want
+
+
+def test_a_verify_observes_what_every_smaller_cut_would_have_accepted():
+    """A 3-node verify accepting the nodes of rank 0 and 2: cut 1 holds the first (1 accepted), cut 2 too (rank 2
+    is outside it), cut 3 both (its depth 2 allows them); cuts 4 and 5 are not observed and stay at the prior."""
+    cuts = CutAcceptance([0, 1, 2, 2, 3, 3], decay=0.5, relax_decay=0.9)
+    assert [cuts.expected(n) for n in range(6)] == [0, 1, 2, 2, 3, 3]  # optimistic prior: every level accepted
+    cuts.add(3, [0, 2])
+    # (0.5 x prior + observation) / (0.5 + 1)
+    assert [cuts.expected(n) for n in range(1, 6)] == pytest.approx([1, 2 / 1.5, 2, 3, 3])
+    for _ in range(30):
+        cuts.add(5, [0, 1, 4])  # a deeper path: cut 5 (depth 3) holds all three, cuts 2 to 4 two, cut 1 one
+    assert [cuts.expected(n) for n in range(1, 6)] == pytest.approx([1, 2, 2, 2, 3])
+    assert cuts.expected(9) == cuts.expected(5)  # wider requests than the tree price as the whole tree
+    for _ in range(30):
+        cuts.add(1, [])  # cut 1 misses every time; cuts 2..5 are no longer observed and drift to the prior
+    assert cuts.expected(1) == pytest.approx(0, abs=1e-6)
+    kept = 0.9 ** 30  # of cut 4's distance to the prior, and of its evidence
+    assert [cuts.expected(n) for n in range(2, 6)] == pytest.approx([2, 2, 3 - kept, 3])
+    cuts.add(5, [0, 1, 4])  # a fresh verify outweighs cut 4's stale past (weight 2 x 0.9^30)
+    assert cuts.expected(4) == pytest.approx(3 - kept - (1 - kept) / (1 + 0.5 * 2 * kept))
+    assert cuts.expected(4) < 2.05
+    cuts.relax()  # a held step: every cut moves toward the prior
+    assert cuts.expected(1) == pytest.approx(0.9 * 0.5 + 0.1 * 1)  # 0.5 after the fresh hit, a tenth of the way to 1
+
+
+@pytest.mark.parametrize("ranks,want", [([0, 4, 8, 11], 12), ([0], 1)], ids=["deep", "first-only"])
+def test_trees_are_priced_by_what_each_cut_accepted(ranks, want):
+    """At alpha 0.5 one geometric alpha prices 3 nodes best on the CPU windows above (1.75 tokens in 21 ms).
+    Measured per cut it depends on where the accepted nodes rank: ranks 0, 4, 8, 11 of 12 nodes give cut 1 one
+    token, cut 3 one, cut 7 two, the whole tree four (5 tokens in 41 ms beat 2 in 20.5); only the first
+    node accepted: the one-node cut (2 tokens in 20.5 ms)."""
+    p = _Tree(SpeculationConfig(4, method="ngram", tree_nodes=12), {"r0": 12})
+    _teach(p, "default", [(4, 1)])
+    teacher = Request([1], SamplingParams(), request_id="teacher")
+    for _ in range(40):
+        p.record_tree(teacher, 12, ranks)
+    p.costs.observe(1, 1, None, 0.020)
+    for T, ms in {2: 20.5, 4: 21, 8: 30, 16: 41}.items():
         p.costs.observe(T, 1, 12, ms / 1000)
     [r] = _decodes(1)
     p.begin_step([r], 0)

@@ -135,6 +135,30 @@ def test_trees_greedy_and_seeded_output_equal_target_alone(target, head, plain):
     assert trees.blocks.num_free_blocks == trees.blocks.num_usable_blocks
 
 
+def test_path_ranks_say_what_smaller_trees_accept(target, head):
+    """The rank of each accepted node among the tree's candidates (`StepOutput.path_rank`) grows along the path,
+    and a request whose tree is cut to n nodes accepts the whole tree's path nodes of rank < n: exactly so
+    where the cut's program expands the same candidates (n = 1, 2: the best n of a subset that holds them;
+    n >= 4: the 7-node program has the 8-node one's 3 levels; the 3-node program stops at 2 levels, where
+    a node the deeper tree ranks out can come in)."""
+    from tests.test_medusa import _first_verify
+
+    trees = Engine(target, CFG, draft=head, speculation=TREES)
+    assert [trees.proposer.depth(None, n) for n in range(9)] == [0, 1, 2, 2, 3, 3, 3, 3, 3]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    contexts = PROMPTS + [p + o.token_ids for p, o in zip(PROMPTS, _run(trees, PROMPTS, [greedy] * len(PROMPTS)))]
+    deep = 0
+    for prompt in contexts:
+        accepted, ranks = _first_verify(trees, prompt, 8)
+        path = ranks[ranks >= 0]
+        assert len(path) == accepted and list(path) == sorted(set(path)) and all(path < 8)
+        for n in (1, 2, 4, 5, 6, 7):
+            want = min(trees.proposer.depth(None, n), int(np.sum(path < n)))
+            assert _first_verify(trees, prompt, n)[0] == want, (prompt, n, path)
+        deep += accepted >= 2
+    assert deep >= 2
+
+
 def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(plain, eagle):
     greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
     want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]

@@ -156,6 +156,43 @@ def test_tree_is_cut_at_the_requests_depth(target, heads):
     assert [proposer.depth(None, k) for k in range(5)] == [0, 1, 2, 2, 2]
 
 
+def _first_verify(engine, prompt, num_tree_nodes):
+    """(accepted tokens, path ranks) of a greedy request's first verify."""
+    outputs, run = [], engine.runner.run
+    engine.runner.run = lambda *args, **kw: outputs.append(run(*args, **kw)) or outputs[-1]
+    try:
+        request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                            num_tree_nodes=num_tree_nodes))
+        while not request.num_draft_tokens:
+            engine.step()
+    finally:
+        del engine.runner.run
+    while engine.has_unfinished():
+        engine.step()
+    out = outputs[-1]
+    return int(out.num_emitted[0]) - 1, out.path_rank[0]
+
+
+def test_path_ranks_say_what_each_smaller_cut_accepts(target, heads):
+    """Medusa's cuts are prefixes of one static tree and the coupled verify follows the target's own tokens, so
+    the whole tree's accepted ranks give exactly what a request cut to its first n nodes accepts
+    (`engine.adaptive.CutAcceptance`), and the gate's estimates after the whole tree's verifies are those."""
+    engine = Engine(target, CFG, draft=heads, speculation=TREE)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    contexts = PROMPTS + [p + o.token_ids for p, o in zip(PROMPTS, _run(Engine(target, CFG), PROMPTS,
+                                                                         [greedy] * len(PROMPTS)))]
+    deep = 0
+    for prompt in contexts:
+        accepted, ranks = _first_verify(engine, prompt, 8)
+        path = ranks[ranks >= 0]
+        assert len(path) == accepted and list(path) == sorted(set(path)) and all(path < 8)
+        for n in range(1, 8):
+            want = min(engine.proposer.depth(None, n), int(np.sum(path < n)))
+            assert _first_verify(engine, prompt, n)[0] == want, (prompt, n)
+        deep += accepted >= 2
+    assert deep >= 2  # first verifies that accepted paths two or three deep, so the cuts differ
+
+
 def test_heads_in_the_cpu_kernels_give_the_reference_candidates():
     """The heads' two products in the native kernels (AMX tiles where the CPU has them, else the skinny
     kernel's panels; fp32 weights) rank each head's candidates as XLA's dot does."""
