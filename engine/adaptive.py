@@ -292,11 +292,13 @@ class StepCosts:
     `StepTiming.spec_k`. A step's attention work is the (query, key) pairs it
     attends, `attention_pairs` summed over its rows: the part of its cost that
     grows with the contexts. Each shape keeps the running means of its
-    seconds and of its work; one slope, seconds per pair, is fitted across
-    shapes (least squares on the deviations from each shape's means), so a
-    shape measured at other contexts is priced at this step's
-    (`get(..., work)`). Steps that compiled a program are not recorded
-    (`Engine.step` skips them), so a first call never poisons a shape.
+    seconds and of its work (plain averages over its first 1 / (1 - DECAY)
+    steps, so one slow early step is soon outweighed); one slope, seconds
+    per pair, is fitted across shapes (least squares on the deviations from
+    each shape's means), so a shape measured at other contexts is priced at
+    this step's (`get(..., work)`). Steps that compiled a program are not
+    recorded (`Engine.step` skips them), so a first call never poisons a
+    shape.
     """
 
     DECAY = 0.8  # weight of the past per observation of a shape
@@ -304,7 +306,7 @@ class StepCosts:
 
     def __init__(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]):
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
-        self._means: dict[tuple[int, int, int | None], tuple[float, float]] = {}  # shape -> (seconds, pairs)
+        self._means: dict[tuple[int, int, int | None], tuple[float, float, int]] = {}  # (seconds, pairs, steps)
         self._sxy = self._sxx = 0.0
 
     def observe(self, T: int, S: int, K: int | None, seconds: float, work: float = 0.0) -> None:
@@ -312,14 +314,14 @@ class StepCosts:
         key = (T, S, K)
         old = self._means.get(key)
         if old is None:
-            self._means[key] = (seconds, work)
+            self._means[key] = (seconds, work, 1)
             return
-        mean_s, mean_w = old
+        mean_s, mean_w, n = old
         dw = work - mean_w
         self._sxy = self.SLOPE_DECAY * self._sxy + dw * (seconds - mean_s)
         self._sxx = self.SLOPE_DECAY * self._sxx + dw * dw
-        self._means[key] = (self.DECAY * mean_s + (1 - self.DECAY) * seconds,
-                            self.DECAY * mean_w + (1 - self.DECAY) * work)
+        w = max(1 / (n + 1), 1 - self.DECAY)
+        self._means[key] = ((1 - w) * mean_s + w * seconds, (1 - w) * mean_w + w * work, n + 1)
 
     @property
     def seconds_per_pair(self) -> float:
@@ -339,7 +341,7 @@ class StepCosts:
         below and above, else the nearest above (a step over more tokens is no cheaper); None if no bucket
         from T up is measured."""
         cheapest: dict[int, float] = {}
-        for (t, _, _), (v, _) in self._means.items():
+        for (t, _, _), (v, _, _) in self._means.items():
             cheapest[t] = min(v, cheapest.get(t, v))
         if T in cheapest:
             return cheapest[T]

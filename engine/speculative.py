@@ -242,8 +242,9 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
     head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns
     but for `path_rank`, int32 `[S, K]`: the rank (0 = best) by confidence of each accepted node among its row's
     candidates, -1 past the accepted path. Ranks grow along a path, so a tree cut to its `n` best nodes (and at
-    most `eagle_tree_shape(n, ...)[1]` levels) would have accepted the path's nodes of rank < n: the cost
-    gate's estimate of what each cut accepts (`engine.adaptive.CutAcceptance`). The three pools are donated.
+    most as many levels as the program that drafts `n` nodes expands: `EagleProposer.depth`) would have
+    accepted the path's nodes of rank < n: the cost gate's estimate of what each cut accepts
+    (`engine.adaptive.CutAcceptance`). The three pools are donated.
 
     Each drafting row's tree is grown on the device. The head runs on the root (its last real token) and
     proposes its top-k children (k = `eagle_tree_shape`); each further level expands the k nodes of highest

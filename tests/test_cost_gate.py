@@ -46,9 +46,14 @@ def test_expected_accepted_is_the_geometric_sum():
 def test_step_costs_average_and_buckets():
     costs = StepCosts(BUCKETS, BUCKETS)
     assert costs.get(4, 1, 2) is None
+    costs.observe(4, 1, 2, 2.0)  # a slow first step
     costs.observe(4, 1, 2, 1.0)
-    costs.observe(4, 1, 2, 2.0)
-    assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.0 + 0.2 * 2.0)
+    assert costs.get(4, 1, 2) == pytest.approx(1.5)  # the first five steps: their plain average
+    for _ in range(3):
+        costs.observe(4, 1, 2, 1.0)
+    assert costs.get(4, 1, 2) == pytest.approx(1.2)
+    costs.observe(4, 1, 2, 2.0)  # then a running mean, the past weighing 0.8
+    assert costs.get(4, 1, 2) == pytest.approx(0.8 * 1.2 + 0.2 * 2.0)
     assert costs.shape(3, 11) == (16, 4) and costs.shape(1, 65) is None
     assert costs.estimate(4, 1, 2, 0, 4, 0.5, 0) == costs.get(4, 1, 2)  # measured shapes are their average
 
