@@ -15,6 +15,7 @@ the expected tokens of a window).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -63,6 +64,13 @@ class SpeculationConfig:
     tree_branching: int = 4
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), {"int": int, "float": float}.get(field.type)
+            if kind is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral if kind is int else numbers.Real):
+                raise ValueError(f"{field.name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+            setattr(self, field.name, kind(value))  # numpy scalars become Python's
         if self.method not in ("draft", "eagle", "medusa", "ngram"):
             raise ValueError(f"speculation method must be 'draft', 'eagle', 'medusa' or 'ngram', got {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -74,6 +82,8 @@ class SpeculationConfig:
                              f"got {self.tree_nodes}")
         if not 1 <= self.tree_branching <= 8:
             raise ValueError(f"tree_branching must be in [1, 8], got {self.tree_branching}")
+        if self.tree_nodes and not self.num_speculative_tokens:
+            raise ValueError(f"tree_nodes={self.tree_nodes} needs num_speculative_tokens >= 1 (the trees' depth)")
         if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:
             raise ValueError("min_acceptance must be in [0, 1] and ema_decay in [0, 1)")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.adaptive import CutAcceptance, SpeculationConfig, StepCosts, attention_pairs, expected_accepted
@@ -36,6 +37,23 @@ def _teach(proposer, request_class, outcomes, times=20):
     for _ in range(times):
         for num_draft, num_accepted in outcomes:
             proposer.record(r, num_draft, num_accepted, 0)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("tree_nodes", 1.5, "tree_nodes must be an integer, got 1.5"),
+    ("tree_nodes", True, "tree_nodes must be an integer, got True"),
+    ("tree_branching", "4", "tree_branching must be an integer, got '4'"),
+    ("num_speculative_tokens", None, "num_speculative_tokens must be an integer, got None"),
+    ("min_acceptance", "0.1", "min_acceptance must be a number"),
+    ("num_speculative_tokens", 0, r"tree_nodes=15 needs num_speculative_tokens >= 1"),
+])
+def test_bad_speculation_settings_are_named(field, value, error):
+    """Wrong types fail where the settings are made, naming the setting, not in a later step."""
+    with pytest.raises(ValueError, match=error):
+        SpeculationConfig(**{"num_speculative_tokens": 4, "method": "eagle", "tree_nodes": 15, field: value})
+    config = SpeculationConfig(np.int64(4), min_acceptance=np.float32(0.25))  # numpy scalars are fine
+    assert type(config.num_speculative_tokens) is int and config.ladder == (1, 2, 4)
+    assert type(config.min_acceptance) is float
 
 
 def test_expected_accepted_is_the_geometric_sum():
