@@ -35,7 +35,8 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
   alternating, medians compared).
 
 Prompts are the first ones of each file's held-out split, which distillation
-never trains on (`training/data.py`).
+never trains on (`training/data.py`); `--split=train` takes the training split's
+instead, to tell how much of a head's acceptance is fitting its training prompts.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted)
 flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one "
                      "(0: no default-settings rows).")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
-flags.DEFINE_integer("skip", 0, "Skip this many held-out prompts at the start of each file.")
+flags.DEFINE_integer("skip", 0, "Skip this many prompts of the split at the start of each file.")
+flags.DEFINE_enum("split", "held_out", ["held_out", "train"], "Which split of each file's prompts (training/data.py).")
 flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups of `batch` prompts, one group after "
                      "another, and reports the mean of their figures (batch 1 with one prompt is one sample).")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
@@ -88,15 +90,16 @@ DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
 
 def _prompts(tok, domain, n, offset=0):
-    """n prompts of the domain's held-out split (never trained on: training/data.py), from --skip + offset."""
+    """n prompts of the domain's --split (held out: never trained on, training/data.py), from --skip + offset."""
     from training.data import EVAL_PERCENT, prompt_hash
 
     with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    held = [r["prompt"] for r in rows if prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)]
-    texts = held[FLAGS.skip + offset:FLAGS.skip + offset + n]
+    held_out = FLAGS.split == "held_out"
+    split = [r["prompt"] for r in rows if (prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)) == held_out]
+    texts = split[FLAGS.skip + offset:FLAGS.skip + offset + n]
     if len(texts) < n:
-        raise ValueError(f"{domain}: {len(held)} held-out prompts, {FLAGS.skip + offset + n} needed")
+        raise ValueError(f"{domain}: {len(split)} {FLAGS.split} prompts, {FLAGS.skip + offset + n} needed")
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
             for t in texts]
 
