@@ -122,3 +122,49 @@ def test_to_params_inverts_the_fused_layout(cfg):
     assert sorted(back) == sorted(params)
     for name, value in params.items():
         np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+
+def test_synthetic_chat_prompts_are_distinct_finished_user_turns(tmp_path):
+    """`synthesize_chat_prompts` samples from the template's start of a user turn, keeps turns the target
+    ended itself, once each, up to n; a finished file is kept, and its rows join the train split."""
+    import json
+
+    from training.data import split_prompts, synthesize_chat_prompts
+
+    class Out:
+        def __init__(self, ids, reason):
+            self.token_ids, self.finish_reason = ids, reason
+
+    class FakeLLM:
+        """Chat template: [9, 9, <user>, *content, 8]; the 'target' writes turn `seed % 5` (turn 4 is cut)."""
+        tokenizer = type("T", (), {"decode": staticmethod(lambda ids: "".join(map(chr, ids)))})()
+
+        def __init__(self):
+            self.prompts = []
+
+        def encode(self, prompt):
+            return [9, 9, 7] + [ord(c) for c in prompt[0]["content"]] + [8]
+
+        def generate(self, prompts, params):
+            self.prompts += prompts
+            return [Out([ord(c) for c in f" turn {p.seed % 5} "], "length" if p.seed % 5 == 4 else "stop")
+                    for p in params]
+
+    llm, path = FakeLLM(), str(tmp_path / "synthetic.jsonl")
+    synthesize_chat_prompts(llm, path, n=3, batch=8)
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["id"] for r in rows] == ["magpie-0", "magpie-1", "magpie-2"]
+    assert len({r["prompt"] for r in rows}) == 3 and all(r["prompt"] in {"turn 0", "turn 1", "turn 2", "turn 3"}
+                                                          for r in rows)
+    assert llm.prompts and all(p == [9, 9, 7] for p in llm.prompts)
+    synthesize_chat_prompts(llm, path, n=3, batch=8)  # already made: no new samples
+    assert len(llm.prompts) == 8
+    with pytest.raises(RuntimeError, match="4 distinct"):  # a round that adds none ends it
+        synthesize_chat_prompts(FakeLLM(), str(tmp_path / "more.jsonl"), n=5, batch=8)
+
+    prompts_dir = tmp_path / "prompts"
+    prompts_dir.mkdir()
+    for domain in ("chat", "code", "creative", "math", "summarization"):
+        (prompts_dir / f"{domain}.jsonl").write_text(json.dumps({"id": f"{domain}-0", "prompt": "hi"}) + "\n")
+    split = split_prompts(str(prompts_dir), path)
+    assert [(r["domain"], r["split"]) for r in split[-3:]] == [("synthetic_chat", "train")] * 3

@@ -159,6 +159,26 @@ def test_path_ranks_say_what_smaller_trees_accept(target, head):
     assert deep >= 2
 
 
+def test_a_deepened_head_drafts_what_its_one_layer_head_drafts(target, head):
+    """`training.eagle.deepen` appends layers whose residual branches start at zero: the 2-layer head (its own
+    2-layer KV pool) proposes, and so accepts, exactly what the 1-layer head does; fewer layers are refused."""
+    from training.eagle import deepen
+
+    params = {k: np.asarray(v) for k, v in head.params.items()}
+    cfg, deep = deepen(head.config, params, target, 2)
+    assert cfg.num_layers == 2 and deep["wq"].shape[0] == 2
+    assert not deep["wo"][1].any() and not deep["w_down"][1].any() and deep["w_up"][1].any()
+    np.testing.assert_array_equal(deep["wq"][0], params["wq"][0])
+    runs = []
+    for draft in (head, dataclasses.replace(head, config=cfg, params=deep)):
+        engine = Engine(target, CFG, draft=draft, speculation=TREES)
+        greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
+        runs.append(([o.token_ids for o in _run(engine, PROMPTS, greedy)], engine.stats.position_acceptance))
+    assert runs[1] == runs[0] and 0 < runs[0][1][0] < 1
+    with pytest.raises(ValueError, match="cannot remove"):
+        deepen(cfg, deep, target, 1)
+
+
 def test_greedy_equals_target_alone_with_chunks_and_prefix_cache(plain, eagle):
     greedy = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(PROMPTS)
     want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]

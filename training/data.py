@@ -26,7 +26,9 @@ TRAIN_CAP = {"chat": None, "code": None, "creative": None, "math": 240, "summari
 # (temperature, top_p) of the sampled continuations per training prompt, besides one greedy one.
 # Chat, code and creative have few prompts, so each gets more samples.
 _OPEN = [(0.7, 0.9), (1.0, 1.0), (0.8, 0.95), (0.9, 0.9), (0.6, 1.0), (1.0, 0.9)]
-SAMPLED = {"chat": _OPEN, "code": _OPEN, "creative": _OPEN, "math": [(0.8, 0.95), (1.0, 0.9)], "summarization": []}
+SAMPLED = {"chat": _OPEN, "code": _OPEN, "creative": _OPEN, "math": [(0.8, 0.95), (1.0, 0.9)], "summarization": [],
+           "synthetic_chat": []}
+SYNTHETIC = "synthetic_prompts.jsonl"  # the work directory's target-written user turns (train split only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class DataConfig:
     max_prompt_tokens: int = 640  # longer prompts are skipped
     generate_batch: int = 64  # engine max_num_seqs while generating
     max_train_requests: int = 600  # train requests, shortest prompts first
+    synthetic_chat: int = 0  # target-written user turns to make before generating (0: none)
+    train_domains: tuple[str, ...] | None = None  # domains of the train requests (None: all)
     chunk: int = 384  # requests per generate call (the file is appended after each)
     top_k_targets: int = 32  # target log-probabilities kept per position
     tokens_per_batch: int = 1024  # padded tokens per batch in the targets, train and eval stages
@@ -49,10 +53,11 @@ def prompt_hash(text: str) -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:12], 16)
 
 
-def split_prompts(prompts_dir: str) -> list[dict]:
+def split_prompts(prompts_dir: str, synthetic: str | None = None) -> list[dict]:
     """Every used prompt as {domain, id, prompt, split}, deterministic (no randomness but id hashes).
 
-    Within a domain, prompts are ordered by id hash; caps take the first ones.
+    Within a domain, prompts are ordered by id hash; caps take the first ones. The rows of the
+    `synthetic` file (`synthesize_chat_prompts`), if given, follow as domain `synthetic_chat`, all train.
     """
     rows = []
     for domain, percent in EVAL_PERCENT.items():
@@ -64,7 +69,50 @@ def split_prompts(prompts_dir: str) -> list[dict]:
         train = train[:TRAIN_CAP[domain]] if TRAIN_CAP[domain] else train
         rows += [{"domain": domain, "id": r["id"], "prompt": r["prompt"], "split": "eval"} for r in held]
         rows += [{"domain": domain, "id": r["id"], "prompt": r["prompt"], "split": "train"} for r in train]
+    if synthetic:
+        with open(synthetic) as f:
+            rows += [{**json.loads(line), "domain": "synthetic_chat", "split": "train"} for line in f]
     return rows
+
+
+def synthesize_chat_prompts(llm, path: str, n: int, max_tokens: int = 64, batch: int = 256) -> None:
+    """Target-written user turns: the chat template up to the user's turn, sampled (temperature 1, top-p
+    0.95) until the turn ends; -> `path` ({id, prompt} per line), until it holds `n` distinct prompts.
+    Raises RuntimeError when a round of `batch` samples adds no new one.
+
+    Turns cut at `max_tokens` are dropped. The target is instruction-tuned, so the text it puts in the
+    user's place reads as requests of its own chat data (Xu et al. 2024, *Magpie*, §2.1). The held-out
+    prompts stay unseen, and its answers to these widen the draft's chat data beyond ~90 human prompts.
+    """
+    from engine import SamplingParams
+
+    # The user's turn starts where the encodings of two different user turns part.
+    a, b = llm.encode([{"role": "user", "content": "A"}]), llm.encode([{"role": "user", "content": "B"}])
+    prefix = a[:next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)]
+    seen = set()
+    if os.path.exists(path):
+        with open(path) as f:
+            seen = {json.loads(line)["prompt"] for line in f}
+        if len(seen) >= n:
+            return
+        os.remove(path)  # seeds restart at 0: a partial file is made again
+        seen = set()
+    attempt = 0
+    while len(seen) < n:
+        params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens,
+                                 seed=prompt_hash(f"magpie#{attempt + j}") % 2**32) for j in range(batch)]
+        attempt += batch
+        outs = llm.generate([prefix] * batch, params)
+        before = len(seen)
+        with open(path, "a") as f:
+            for out in outs:
+                text = llm.tokenizer.decode(out.token_ids).strip()
+                if out.finish_reason == "stop" and text and text not in seen and len(seen) < n:
+                    seen.add(text)
+                    f.write(json.dumps({"id": f"magpie-{len(seen) - 1}", "prompt": text}) + "\n")
+        logging.info("synthetic chat prompts: %d/%d after %d samples", len(seen), n, attempt)
+        if len(seen) == before:
+            raise RuntimeError(f"{attempt} samples gave only {len(seen)} distinct finished user turns, not {n}")
 
 
 def generate_jobs(rows: list[dict]) -> list[dict]:
@@ -78,13 +126,15 @@ def generate_jobs(rows: list[dict]) -> list[dict]:
     return jobs
 
 
-def select_jobs(jobs: list[dict], max_prompt_tokens: int, max_train_requests: int) -> list[dict]:
-    """The requests to run, in order: every eval job, then the train jobs with the shortest prompts
-    (ties by key), at most `max_train_requests`; prompts over `max_prompt_tokens` are skipped.
-    Jobs need `prompt_ids`. Similar lengths next to each other keep the engine's batch full."""
+def select_jobs(jobs: list[dict], max_prompt_tokens: int, max_train_requests: int,
+                train_domains: tuple[str, ...] | None = None) -> list[dict]:
+    """The requests to run, in order: every eval job, then the train jobs of `train_domains` (None: all) with
+    the shortest prompts (ties by key), at most `max_train_requests`; prompts over `max_prompt_tokens` are
+    skipped. Jobs need `prompt_ids`. Similar lengths next to each other keep the engine's batch full."""
     jobs = [j for j in jobs if len(j["prompt_ids"]) <= max_prompt_tokens]
     by_length = lambda j: (len(j["prompt_ids"]), j["key"])
-    train = sorted((j for j in jobs if j["split"] == "train"), key=by_length)[:max_train_requests]
+    train = sorted((j for j in jobs if j["split"] == "train" and (train_domains is None or j["domain"] in train_domains)),
+                   key=by_length)[:max_train_requests]
     return sorted((j for j in jobs if j["split"] == "eval"), key=by_length) + train
 
 
@@ -101,9 +151,12 @@ def generate_continuations(workdir: str, config: DataConfig) -> None:
         with open(path) as f:
             done = {json.loads(line)["key"] for line in f}
     llm = LLM(max_num_seqs=config.generate_batch, kv_cache_bytes=3 << 30)
+    synthetic = os.path.join(workdir, SYNTHETIC) if config.synthetic_chat else None
+    if synthetic:
+        synthesize_chat_prompts(llm, synthetic, config.synthetic_chat, batch=config.generate_batch)
     jobs = [{**job, "prompt_ids": llm.encode([{"role": "user", "content": job["prompt"]}])}
-            for job in generate_jobs(split_prompts(config.prompts_dir))]
-    jobs = select_jobs(jobs, config.max_prompt_tokens, config.max_train_requests)
+            for job in generate_jobs(split_prompts(config.prompts_dir, synthetic))]
+    jobs = select_jobs(jobs, config.max_prompt_tokens, config.max_train_requests, config.train_domains)
     jobs = [j for j in jobs if j["key"] not in done]
     logging.info("generate: %d requests to run (%d done before)", len(jobs), len(done))
     for start in range(0, len(jobs), config.chunk):

@@ -5,7 +5,10 @@
 Stages (each reads the previous one's files in `--workdir`, so each can be rerun):
   generate  the target (through `engine.LLM`) continues every prompt of the
             train split (greedy and sampled) and of the eval split (greedy);
-            -> `continuations.jsonl` (`training.data.generate_continuations`)
+            -> `continuations.jsonl` (`training.data.generate_continuations`).
+            With `--synthetic_chat=N` it first writes N user turns of its
+            own (`training.data.synthesize_chat_prompts`) and continues them
+            too (greedy), as more chat training prompts
   targets   a dense forward of the target over prompt + continuation keeps the
             top-k log-probabilities at every position that predicts a
             continuation token; -> `targets.npz` (`training.data.compute_targets`)
@@ -48,6 +51,10 @@ flags.DEFINE_integer("eval_new_tokens", 128, "Greedy continuation length for the
 flags.DEFINE_integer("max_prompt_tokens", 640, "Longer prompts are skipped.")
 flags.DEFINE_integer("generate_batch", 64, "Engine max_num_seqs for data generation.")
 flags.DEFINE_integer("max_train_requests", 600, "Train requests (shortest prompts first); bounds the CPU time.")
+flags.DEFINE_integer("synthetic_chat", 0, "Target-written chat prompts to make and train on besides the shared "
+                     "ones (`training.data.synthesize_chat_prompts`; 0: none).")
+flags.DEFINE_list("train_domains", None, "Domains of the train requests to generate (default: all; the synthetic "
+                  "prompts are domain synthetic_chat).")
 flags.DEFINE_integer("chunk", 384, "Requests per generate call (the file is appended after each).")
 flags.DEFINE_integer("top_k_targets", 32, "Target log-probabilities kept per position.")
 flags.DEFINE_integer("tokens_per_batch", 1024, "Padded tokens per batch in the targets and train stages.")
@@ -346,7 +353,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.INFO)
     os.makedirs(FLAGS.workdir, exist_ok=True)
-    data = DataConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(DataConfig)})
+    data = DataConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(DataConfig)
+                         if f.name != "train_domains"},
+                      train_domains=tuple(FLAGS.train_domains) if FLAGS.train_domains else None)
     config = TrainConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(TrainConfig)
                             if f.name not in ("init_layers", "eval_k")},
                          init_layers=tuple(int(i) for i in FLAGS.init_layers), eval_k=tuple(int(k) for k in FLAGS.eval_k))

@@ -21,8 +21,10 @@ Stages (each reads the previous one's files in `--workdir`):
             training-time test, Li et al. 2025 §3); -> `--out`, a draft directory
             (`checkpoints.draft.save_draft`)
 
-The head's layer starts as a copy of the target's last layer, `fc` as
-[0.5 I; 0.5 I]; the embedding and the LM head rows are the target's, frozen.
+The head's layers (`--num_layers`) start as copies of the target's last ones,
+`fc` as [0.5 I; 0.5 I]; the embedding and the LM head rows are the target's,
+frozen. `--init_from` continues a saved head, deepened by `deepen` when
+`--num_layers` asks for more layers than it has.
 The held-out prompts (`training.data.split_prompts`) are never trained on;
 `benchmarks/speculative.py --proposers=eagle` measures the head on them.
 """
@@ -48,6 +50,8 @@ flags.DEFINE_string("out", os.path.join(_ROOT, "checkpoints", "drafts", "smollm2
                     "Where the trained head is written.")
 flags.DEFINE_integer("head_vocab", 8192, "Tokens the head's output covers: the most frequent in the training "
                      "sequences (the others get probability 0).")
+flags.DEFINE_integer("num_layers", 1, "Decoder layers of the head. An --init_from head with fewer gets layers "
+                     "appended whose output projections start at zero, so training starts from the loaded head.")
 flags.DEFINE_integer("epochs", 3, "Passes over the training sequences.")
 flags.DEFINE_float("lr", 1e-3, "Peak AdamW learning rate (warmup, then cosine decay to 5%).")
 flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
@@ -68,6 +72,7 @@ class EagleConfig:
 
     out: str
     head_vocab: int = 8192
+    num_layers: int = 1
     epochs: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -122,19 +127,40 @@ def compute_features(workdir: str, config: EagleConfig) -> None:
                  lengths=lengths)
 
 
-def init_head(target, head_vocab: int, token_counts: np.ndarray, name: str):
-    """The head's start: the target's last layer and final norm, `fc` = [0.5 I; 0.5 I], an output head over the
-    `head_vocab` most frequent tokens of `token_counts` (int `[V]`; ties by id). Returns (cfg, params)."""
+def init_head(target, head_vocab: int, token_counts: np.ndarray, name: str, num_layers: int = 1):
+    """The head's start: the target's last `num_layers` layers and final norm, `fc` = [0.5 I; 0.5 I], an output
+    head over the `head_vocab` most frequent tokens of `token_counts` (int `[V]`; ties by id). Returns (cfg, params)."""
     from checkpoints.draft import early_exit_draft
     from model.eagle import FC
 
-    base = early_exit_draft(target, [target.config.num_layers - 1], name=name)
+    n = target.config.num_layers
+    base = early_exit_draft(target, list(range(n - num_layers, n)), name=name)
     E = target.config.hidden_size
     params = dict(base.params)
     params[FC] = np.concatenate([0.5 * np.eye(E), 0.5 * np.eye(E)]).astype(np.float32)
     order = np.lexsort((np.arange(len(token_counts)), -token_counts))
     params["head_ids"] = np.sort(order[:head_vocab]).astype(np.int32)
     return base.config.replace(head_vocab_size=head_vocab), params
+
+
+def deepen(cfg, params: dict[str, np.ndarray], target, num_layers: int):
+    """A head of `num_layers` layers that computes what the head (`cfg`, `params`) computes: the new layers,
+    appended after its own, are copies of the target's last layers with `wo` and `w_down` zero, so each adds
+    nothing to the residual stream until trained (zero-initialised residual branches, as in Zhang et al. 2019,
+    *Fixup Initialization*). Raises ValueError when the head already has more layers."""
+    from model.llama import LAYER_PARAMS
+
+    have = cfg.num_layers
+    if num_layers < have:
+        raise ValueError(f"the head has {have} layers; --num_layers={num_layers} cannot remove any")
+    n = target.config.num_layers
+    extra = list(range(n - (num_layers - have), n))
+    out = dict(params)
+    for k in LAYER_PARAMS:
+        if k in params:
+            new = np.asarray(target.params[k], np.float32)[extra]
+            out[k] = np.concatenate([params[k], np.zeros_like(new) if k in ("wo", "w_down") else new])
+    return cfg.replace(num_layers=num_layers), out
 
 
 def train(workdir: str, config: EagleConfig) -> None:
@@ -168,8 +194,10 @@ def train(workdir: str, config: EagleConfig) -> None:
                                     for k, v in loaded.params.items()}
         with open(os.path.join(draft_path(config.init_from), "config.json")) as f:
             parent_training = json.load(f)["draft"].get("training")
+        cfg, init = deepen(cfg, init, target, config.num_layers)
     else:
-        cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)))
+        cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)),
+                              config.num_layers)
     ev_cover = float(np.isin(ev_tokens, init["head_ids"]).mean())
     logging.info("train: %d sequences, %d tokens; the head's %d tokens cover %.3f of the eval tokens",
                  len(lengths), len(tokens_all), len(init["head_ids"]), ev_cover)
