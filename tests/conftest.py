@@ -1,8 +1,8 @@
 """Frees each test module's compiled programs when it ends; one persistent compilation cache for the session.
 
 The suite runs in two pytest-xdist workers, a test file to each (`--dist loadfile`, `pyproject.toml`): on
-the 2-core CI machine much of a test is one busy core (compiling, scheduling on the host), so two workers
-took the suite from 54-59 minutes to 37-41.
+a 2-core machine much of a test is one busy core (compiling, scheduling on the host), so two workers took
+the suite from 54-59 minutes to 37-41 on the development VM.
 
 Every XLA:CPU executable holds dozens of memory mappings; the whole suite keeps
 thousands of programs, which exceeded the kernel's limit (`vm.max_map_count`,
