@@ -7,14 +7,15 @@ head takes the pair (f_{i-1}, token x_i), fuses it with one linear layer
 
     g_i = [embed(x_i), f_{i-1}] @ fc        (fc `[2E, E]`)
 
-runs one Llama decoder layer (its own paged KV: causal attention over the
-earlier pairs) and predicts f_i; the target's LM head, restricted to
+runs a Llama decoder layer (the paper's one, or more: `training.eagle
+--num_layers`; its own paged KV: causal attention over the earlier pairs)
+and predicts f_i; the target's LM head, restricted to
 `head_ids` (`ModelConfig.head_vocab_size`; other tokens have probability
 exactly 0, so verify stays exact), turns the prediction into the draft
 distribution of x_{i+1}. Drafting feeds the head its own predictions: f-hat_i
 and the token drawn from it give f-hat_{i+1}, and so on.
 
-The head's weights are an ordinary 1-layer `Llama` (`body`, its embedding the
+The head's weights are an ordinary few-layer `Llama` (`body`, its embedding the
 target's, its final norm initialised from the target's) plus `fc`, stored as
 `FC` in the params dict.
 """
@@ -36,7 +37,7 @@ class EagleHead(nnx.Module):
     """The EAGLE head for one target.
 
     Args:
-      cfg: the head's config: the target's with `num_layers=1` and usually a
+      cfg: the head's config: the target's with `num_layers=1` (or a few) and usually a
         `head_vocab_size`.
       params: `model.llama.param_specs(cfg)` arrays plus `FC`.
     Raises:

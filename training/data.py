@@ -133,8 +133,8 @@ def select_jobs(jobs: list[dict], max_prompt_tokens: int, max_train_requests: in
     skipped. Jobs need `prompt_ids`. Similar lengths next to each other keep the engine's batch full."""
     jobs = [j for j in jobs if len(j["prompt_ids"]) <= max_prompt_tokens]
     by_length = lambda j: (len(j["prompt_ids"]), j["key"])
-    train = sorted((j for j in jobs if j["split"] == "train" and (train_domains is None or j["domain"] in train_domains)),
-                   key=by_length)[:max_train_requests]
+    wanted = lambda j: j["split"] == "train" and (train_domains is None or j["domain"] in train_domains)
+    train = sorted(filter(wanted, jobs), key=by_length)[:max_train_requests]
     return sorted((j for j in jobs if j["split"] == "eval"), key=by_length) + train
 
 

@@ -34,8 +34,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from training.data import DataConfig, batches, compute_targets, dense_hidden, generate_continuations, pad_batch, \
-    read_continuations
+from training.data import SAMPLED, DataConfig, batches, compute_targets, dense_hidden, generate_continuations, \
+    pad_batch, read_continuations
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -352,6 +352,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.set_verbosity(logging.INFO)
+    if FLAGS.train_domains and not set(FLAGS.train_domains) <= set(SAMPLED):
+        raise app.UsageError(f"--train_domains must be among {sorted(SAMPLED)}, got {FLAGS.train_domains}")
     os.makedirs(FLAGS.workdir, exist_ok=True)
     data = DataConfig(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(DataConfig)
                          if f.name != "train_domains"},
