@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.llama import AttendFn, Llama, keep_packed
+from model.llama import LAYER_PARAMS, AttendFn, Llama, keep_packed
 
 FC = "eagle_fc"  # params key of the fusion layer, float `[2E, E]`
 
@@ -89,3 +89,26 @@ class EagleHead(nnx.Module):
         if self.cfg.head_vocab_size:
             idx = self.body.head_ids[...][idx]
         return logprobs, idx.astype(jnp.int32)
+
+
+def deepen(cfg: ModelConfig, params: dict[str, np.ndarray], target, num_layers: int
+           ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """A head of `num_layers` layers that computes what the head (`cfg`, `params`: `EagleHead` params, layer
+    weights `[L, ...]`) computes, for the target (`checkpoints.LoadedModel`) it was trained on.
+
+    The new layers, appended after its own, are copies of the target's last layers with `wo` and `w_down`
+    zero, so each adds nothing to the residual stream until trained (zero-initialised residual branches, as
+    in Zhang et al. 2019, *Fixup Initialization*). Returns (config, params). Raises ValueError when the
+    head already has more than `num_layers` layers.
+    """
+    have = cfg.num_layers
+    if num_layers < have:
+        raise ValueError(f"the head has {have} layers; deepening cannot remove any (asked for {num_layers})")
+    n = target.config.num_layers
+    extra = list(range(n - (num_layers - have), n))
+    out = dict(params)
+    for k in LAYER_PARAMS:
+        if k in params:
+            new = np.asarray(target.params[k], np.float32)[extra]
+            out[k] = np.concatenate([params[k], np.zeros_like(new) if k in ("wo", "w_down") else new])
+    return cfg.replace(num_layers=num_layers), out

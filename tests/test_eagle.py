@@ -20,7 +20,7 @@ from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
 from engine.adaptive import SpeculationConfig
 from model.config import get_preset
-from model.eagle import FC, EagleHead
+from model.eagle import FC, EagleHead, deepen
 from model.llama import Llama, dense_attention
 from scheduler.request import InvalidRequestError, SamplingParams
 from tests.test_speculative import CFG, PROMPTS, _chi2_pvalue, _exact_joint, _first_three_tokens, _run
@@ -160,10 +160,8 @@ def test_path_ranks_say_what_smaller_trees_accept(target, head):
 
 
 def test_a_deepened_head_drafts_what_its_one_layer_head_drafts(target, head):
-    """`training.eagle.deepen` appends layers whose residual branches start at zero: the 2-layer head (its own
+    """`model.eagle.deepen` appends layers whose residual branches start at zero: the 2-layer head (its own
     2-layer KV pool) proposes, and so accepts, exactly what the 1-layer head does; fewer layers are refused."""
-    from training.eagle import deepen
-
     params = {k: np.asarray(v) for k, v in head.params.items()}
     cfg, deep = deepen(head.config, params, target, 2)
     assert cfg.num_layers == 2 and deep["wq"].shape[0] == 2

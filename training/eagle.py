@@ -23,7 +23,7 @@ Stages (each reads the previous one's files in `--workdir`):
 
 The head's layers (`--num_layers`) start as copies of the target's last ones,
 `fc` as [0.5 I; 0.5 I]; the embedding and the LM head rows are the target's,
-frozen. `--init_from` continues a saved head, deepened by `deepen` when
+frozen. `--init_from` continues a saved head, deepened by `model.eagle.deepen` when
 `--num_layers` asks for more layers than it has.
 The held-out prompts (`training.data.split_prompts`) are never trained on;
 `benchmarks/speculative.py --proposers=eagle` measures the head on them.
@@ -143,26 +143,6 @@ def init_head(target, head_vocab: int, token_counts: np.ndarray, name: str, num_
     return base.config.replace(head_vocab_size=head_vocab), params
 
 
-def deepen(cfg, params: dict[str, np.ndarray], target, num_layers: int):
-    """A head of `num_layers` layers that computes what the head (`cfg`, `params`) computes: the new layers,
-    appended after its own, are copies of the target's last layers with `wo` and `w_down` zero, so each adds
-    nothing to the residual stream until trained (zero-initialised residual branches, as in Zhang et al. 2019,
-    *Fixup Initialization*). Raises ValueError when the head already has more layers."""
-    from model.llama import LAYER_PARAMS
-
-    have = cfg.num_layers
-    if num_layers < have:
-        raise ValueError(f"the head has {have} layers; --num_layers={num_layers} cannot remove any")
-    n = target.config.num_layers
-    extra = list(range(n - (num_layers - have), n))
-    out = dict(params)
-    for k in LAYER_PARAMS:
-        if k in params:
-            new = np.asarray(target.params[k], np.float32)[extra]
-            out[k] = np.concatenate([params[k], np.zeros_like(new) if k in ("wo", "w_down") else new])
-    return cfg.replace(num_layers=num_layers), out
-
-
 def train(workdir: str, config: EagleConfig) -> None:
     """Fits the head on `features_train.npy`; reports teacher-forced top-1 agreement on the eval split;
     saves to `config.out`."""
@@ -173,7 +153,7 @@ def train(workdir: str, config: EagleConfig) -> None:
 
     from checkpoints import load_model
     from checkpoints.draft import draft_path, load_draft, save_draft
-    from model.eagle import FC, EagleHead
+    from model.eagle import FC, EagleHead, deepen
 
     def load(split):
         seqs = np.load(os.path.join(workdir, f"feature_seqs_{split}.npz"))
