@@ -23,8 +23,8 @@ Stages (each reads the previous one's files in `--workdir`):
 
 The head's layers (`--num_layers`) start as copies of the target's last ones,
 `fc` as [0.5 I; 0.5 I]; the embedding and the LM head rows are the target's,
-frozen. `--init_from` continues a saved head, deepened by `model.eagle.deepen` when
-`--num_layers` asks for more layers than it has.
+frozen. `--init_from` continues a saved head at its own depth, or deepened by
+`model.eagle.deepen` when `--num_layers` asks for more layers than it has.
 The held-out prompts (`training.data.split_prompts`) are never trained on;
 `benchmarks/speculative.py --proposers=eagle` measures the head on them.
 """
@@ -50,8 +50,9 @@ flags.DEFINE_string("out", os.path.join(_ROOT, "checkpoints", "drafts", "smollm2
                     "Where the trained head is written.")
 flags.DEFINE_integer("head_vocab", 8192, "Tokens the head's output covers: the most frequent in the training "
                      "sequences (the others get probability 0).")
-flags.DEFINE_integer("num_layers", 1, "Decoder layers of the head. An --init_from head with fewer gets layers "
-                     "appended whose output projections start at zero, so training starts from the loaded head.")
+flags.DEFINE_integer("num_layers", None, "Decoder layers of the head (default: 1, or an --init_from head's own). "
+                     "An --init_from head with fewer gets layers appended whose output projections start at zero, "
+                     "so training starts from the loaded head.")
 flags.DEFINE_integer("epochs", 3, "Passes over the training sequences.")
 flags.DEFINE_float("lr", 1e-3, "Peak AdamW learning rate (warmup, then cosine decay to 5%).")
 flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
@@ -72,7 +73,7 @@ class EagleConfig:
 
     out: str
     head_vocab: int = 8192
-    num_layers: int = 1
+    num_layers: int | None = None  # None: 1, or the --init_from head's own
     epochs: int = 3
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -174,10 +175,10 @@ def train(workdir: str, config: EagleConfig) -> None:
                                     for k, v in loaded.params.items()}
         with open(os.path.join(draft_path(config.init_from), "config.json")) as f:
             parent_training = json.load(f)["draft"].get("training")
-        cfg, init = deepen(cfg, init, target, config.num_layers)
+        cfg, init = deepen(cfg, init, target, config.num_layers or cfg.num_layers)
     else:
         cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)),
-                              config.num_layers)
+                              config.num_layers or 1)
     ev_cover = float(np.isin(ev_tokens, init["head_ids"]).mean())
     logging.info("train: %d sequences, %d tokens; the head's %d tokens cover %.3f of the eval tokens",
                  len(lengths), len(tokens_all), len(init["head_ids"]), ev_cover)
@@ -258,8 +259,8 @@ def train(workdir: str, config: EagleConfig) -> None:
             n += valid.sum()
         return {k: round(v / max(n, 1), 4) for k, v in hits.items()}
 
-    # The recorded command names the head size actually trained (an --init_from head keeps its own).
-    recorded = dataclasses.replace(config, head_vocab=len(init["head_ids"]))
+    # The recorded command names the head actually trained (an --init_from head keeps its own size and depth).
+    recorded = dataclasses.replace(config, head_vocab=len(init["head_ids"]), num_layers=cfg.num_layers)
     command = "python -m training.eagle --stage=train " + " ".join(
         f"--{k}={v}" for k, v in dataclasses.asdict(recorded).items() if k != "out")
     record = {"command": command, "sequences": int(len(lengths)), "tokens": int(len(tokens_all)),
