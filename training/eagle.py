@@ -15,10 +15,11 @@ Stages (each reads the previous one's files in `--workdir`):
             softmax(head(f-hat_i)), both over the partial head's tokens (Li et al.
             2024, EAGLE §4.3, where the weight is 0.1 and the noise uniform).
             With `--unroll=2` a second pass feeds the head its own predictions
-            (f-hat_{i-1}, x_i) and adds the same losses: drafting past the first
-            token reads predicted features, and a head trained on the target's
-            alone accepts almost nothing there (a simplified form of EAGLE-3's
-            training-time test, Li et al. 2025 §3); -> `--out`, a draft directory
+            (f-hat_{i-1}, x_i) and adds the same losses, and each further pass
+            reads the one before: drafting past the first token reads predicted
+            features, and a head trained on the target's alone accepts almost
+            nothing there (a simplified form of EAGLE-3's training-time test,
+            Li et al. 2025 §3); -> `--out`, a draft directory
             (`checkpoints.draft.save_draft`)
 
 The head's layers (`--num_layers`) start as copies of the target's last ones,
@@ -59,7 +60,8 @@ flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_float("token_weight", 0.1, "Weight of the token (cross-entropy) loss next to the feature loss.")
 flags.DEFINE_float("noise", 0.2, "Input features get uniform noise of +- this times their RMS.")
 flags.DEFINE_integer("tokens_per_batch", 2048, "Padded tokens per batch.")
-flags.DEFINE_integer("unroll", 2, "Passes per batch: 1 teacher-forced only, 2 also on the head's own predictions.")
+flags.DEFINE_integer("unroll", 2, "Passes per batch: 1 teacher-forced only; each further pass reads the previous "
+                     "pass's predicted features, as drafting token 2, 3, ... does.")
 flags.DEFINE_integer("max_len", 1024, "Sequences are cut to this many tokens.")
 flags.DEFINE_string("init_from", None, "A saved head (directory or bundled name) to continue training from, "
                     "keeping its `head_ids`; else the head starts from the target's last layer.")
