@@ -32,8 +32,8 @@ def workdir(tmp_path_factory):
     encode = load_model().tokenizer.encode
     seqs = [encode(" ".join(f"{a} plus {b} is {a + b}." for a in range(k, k + 12) for b in (k, 7)))[:100 + k]
             for k in range(6)]
-    rows = [{"split": "train", "key": f"t{i}", "prompt_ids": s[:20], "output_ids": s[20:]} for i, s in enumerate(seqs)]
-    rows += [{"split": "eval", "key": f"e{i}", "prompt_ids": s[:20], "output_ids": s[20:]} for i, s in enumerate(seqs[:3])]
+    row = lambda split, i, s: {"split": split, "key": f"{split}{i}", "prompt_ids": s[:20], "output_ids": s[20:]}
+    rows = [row("train", i, s) for i, s in enumerate(seqs)] + [row("eval", i, s) for i, s in enumerate(seqs[:3])]
     with open(work / "continuations.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return work
@@ -78,3 +78,10 @@ def test_continuing_a_deeper_head_keeps_its_depth_and_weights(workdir, trained):
     assert a.params.keys() == b.params.keys()
     for k in a.params:
         np.testing.assert_array_equal(np.asarray(a.params[k]), np.asarray(b.params[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("flag", ["--num_layers=0", "--unroll=0"])
+def test_a_head_needs_a_layer_and_a_pass(tmp_path, flag):
+    proc = subprocess.run([sys.executable, "-m", "training.eagle", f"--workdir={tmp_path}", f"--out={tmp_path}",
+                           flag], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "0 is not a positive integer" in proc.stderr, proc.stderr[-2000:]

@@ -51,17 +51,19 @@ flags.DEFINE_string("out", os.path.join(_ROOT, "checkpoints", "drafts", "smollm2
                     "Where the trained head is written.")
 flags.DEFINE_integer("head_vocab", 8192, "Tokens the head's output covers: the most frequent in the training "
                      "sequences (the others get probability 0).")
-flags.DEFINE_integer("num_layers", None, "Decoder layers of the head (default: 1, or an --init_from head's own). "
-                     "An --init_from head with fewer gets layers appended whose output projections start at zero, "
-                     "so training starts from the loaded head.")
+flags.DEFINE_integer("num_layers", None, lower_bound=1,
+                     help="Decoder layers of the head (default: 1, or an --init_from head's own). An --init_from "
+                     "head with fewer gets layers appended whose output projections start at zero, so training "
+                     "starts from the loaded head.")
 flags.DEFINE_integer("epochs", 3, "Passes over the training sequences.")
 flags.DEFINE_float("lr", 1e-3, "Peak AdamW learning rate (warmup, then cosine decay to 5%).")
 flags.DEFINE_float("weight_decay", 0.0, "AdamW weight decay.")
 flags.DEFINE_float("token_weight", 0.1, "Weight of the token (cross-entropy) loss next to the feature loss.")
 flags.DEFINE_float("noise", 0.2, "Input features get uniform noise of +- this times their RMS.")
 flags.DEFINE_integer("tokens_per_batch", 2048, "Padded tokens per batch.")
-flags.DEFINE_integer("unroll", 2, "Passes per batch: 1 teacher-forced only; each further pass reads the previous "
-                     "pass's predicted features, as drafting token 2, 3, ... does.")
+flags.DEFINE_integer("unroll", 2, lower_bound=1,
+                     help="Passes per batch: 1 teacher-forced only; each further pass reads the previous pass's "
+                     "predicted features, as drafting token 2, 3, ... does.")
 flags.DEFINE_integer("max_len", 1024, "Sequences are cut to this many tokens.")
 flags.DEFINE_string("init_from", None, "A saved head (directory or bundled name) to continue training from, "
                     "keeping its `head_ids`; else the head starts from the target's last layer.")
@@ -177,10 +179,10 @@ def train(workdir: str, config: EagleConfig) -> None:
                                     for k, v in loaded.params.items()}
         with open(os.path.join(draft_path(config.init_from), "config.json")) as f:
             parent_training = json.load(f)["draft"].get("training")
-        cfg, init = deepen(cfg, init, target, config.num_layers or cfg.num_layers)
+        cfg, init = deepen(cfg, init, target, cfg.num_layers if config.num_layers is None else config.num_layers)
     else:
         cfg, init = init_head(target, config.head_vocab, counts, os.path.basename(os.path.normpath(config.out)),
-                              config.num_layers or 1)
+                              1 if config.num_layers is None else config.num_layers)
     ev_cover = float(np.isin(ev_tokens, init["head_ids"]).mean())
     logging.info("train: %d sequences, %d tokens; the head's %d tokens cover %.3f of the eval tokens",
                  len(lengths), len(tokens_all), len(init["head_ids"]), ev_cover)
