@@ -289,6 +289,28 @@ def expected_accepted(alpha: float, k: int) -> float:
     return sum(alpha ** j for j in range(1, k + 1))
 
 
+def oracle_tree_acceptance(hits: np.ndarray) -> np.ndarray:
+    """Acceptance length (accepted drafts + the bonus token) of a greedy verify rooted at each position of one
+    sequence, for a tree that expands its proposer's top-w tokens at every node, per w.
+
+    Args:
+      hits: bool `[D, N, W]`; `hits[d, i, w]`: the proposer's top w + 1 tokens at depth d + 1, drafted from
+        the root `i - d` along the target's own path, hold the target's token after position i.
+    Returns:
+      float64 `[N, W]`: 1 + the depths the tree at root i accepts, i.e. the longest d with hits[u, i + u, w]
+      for every u < d (positions past the sequence count as misses).
+    """
+    D, N, W = hits.shape
+    alive = np.ones((N, W), bool)
+    accepted = np.zeros((N, W))
+    for d in range(D):
+        at = np.zeros((N, W), bool)
+        at[:N - d] = hits[d, d:]
+        alive &= at
+        accepted += alive
+    return 1.0 + accepted
+
+
 def attention_pairs(start: int, num_tokens: int) -> int:
     """(query, key) pairs a row attends under the causal mask: `num_tokens` queries at positions
     `start`, ..., `start + num_tokens - 1`, each over the keys up to itself."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.adaptive import CutAcceptance, SpeculationConfig, StepCosts, attention_pairs, expected_accepted
+from engine.adaptive import (CutAcceptance, SpeculationConfig, StepCosts, attention_pairs, expected_accepted,
+                             oracle_tree_acceptance)
 from engine.prompt_lookup import NgramProposer
 from engine.proposers import Proposer
 from scheduler.packing import power_of_two_buckets
@@ -59,6 +60,21 @@ def test_bad_speculation_settings_are_named(field, value, error):
 def test_expected_accepted_is_the_geometric_sum():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(1.0, 4) == 4 and expected_accepted(0.0, 4) == 0
+
+
+def test_oracle_tree_acceptance_follows_each_root_down_its_own_path():
+    # Depth 1 holds the target's token at positions 0, 1, 2 with top-1 and everywhere with top-2; depth 2 at
+    # position 1 (the root 0's second token) with top-2 only, depth 3 at position 2 with either.
+    hits = np.zeros((3, 5, 2), bool)
+    hits[0, :3, 0] = True
+    hits[0, :, 1] = True
+    hits[1, 1, 1] = True
+    hits[2, 2, :] = True
+    got = oracle_tree_acceptance(hits)
+    # Root 0: depth 1 (top-1 and top-2), depth 2 only with top-2, then depth 3 at position 2 too.
+    # Roots 1-4: depth 1 where it holds; their depth-2 positions (2..5) never do. Past the end is a miss.
+    np.testing.assert_array_equal(got[:, 0], [2, 2, 2, 1, 1])
+    np.testing.assert_array_equal(got[:, 1], [4, 2, 2, 2, 2])
 
 
 def test_step_costs_average_and_buckets():
