@@ -38,6 +38,8 @@ flags.DEFINE_list("domains", ["chat", "code", "math", "creative", "summarization
 flags.DEFINE_integer("max_tokens", 128, "Greedy answer tokens per prompt.")
 flags.DEFINE_list("widths", ["1", "2", "4", "8", "16"], "Tokens a tree expands per node (w).")
 flags.DEFINE_integer("depth", 4, "Levels of the oracle trees (head passes).", lower_bound=1)
+flags.register_validator("widths", lambda ws: all(w.isdigit() and int(w) > 0 for w in ws),
+                         "--widths: positive integers")
 
 DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
