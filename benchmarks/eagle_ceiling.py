@@ -67,7 +67,6 @@ def main(argv):
     target_def, target_state = nnx.split(Llama(target.config, params=target.params))
     head_def, head_state = nnx.split(head)
     embed = jnp.asarray(np.asarray(target.params["embed"], np.float32))
-    head_rows = embed[jnp.asarray(head.body.head_ids[...])]
     W, D = max(widths), FLAGS.depth
 
     @jax.jit
@@ -81,7 +80,7 @@ def main(argv):
         for _ in range(D):
             prev = jnp.concatenate([jnp.zeros_like(prev[:1]), prev[:-1]])
             pred, _ = head(tokens, prev, positions, attend, None)
-            top = head.body.head_ids[...][jax.lax.top_k(pred @ head_rows.T, W)[1]]
+            top = head.top_k(pred, W)[1]
             out.append(jnp.cumsum(top == want[:, None], axis=1) > 0)
             prev = pred
         return jnp.stack(out)
