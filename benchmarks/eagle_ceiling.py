@@ -41,8 +41,6 @@ flags.DEFINE_integer("depth", 4, "Levels of the oracle trees (head passes).", lo
 flags.register_validator("widths", lambda ws: all(w.isdigit() and int(w) > 0 for w in ws),
                          "--widths: positive integers")
 
-DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
-
 
 def main(argv):
     del argv
@@ -50,6 +48,7 @@ def main(argv):
     import jax.numpy as jnp
     from flax import nnx
 
+    from benchmarks.baselines import prompts_dir
     from checkpoints import load_model
     from checkpoints.draft import DEFAULT_EAGLE, load_draft
     from engine import LLM, SamplingParams
@@ -62,19 +61,17 @@ def main(argv):
     target = load_model()
     name = FLAGS.eagle_head or DEFAULT_EAGLE
     loaded = load_draft(name, target)
-    head = EagleHead(loaded.config, {k: np.asarray(v, np.int32 if k == "head_ids" else np.float32)
-                                     for k, v in loaded.params.items()})
     target_def, target_state = nnx.split(Llama(target.config, params=target.params))
-    head_def, head_state = nnx.split(head)
-    embed = jnp.asarray(np.asarray(target.params["embed"], np.float32))
+    head_def, head_state = nnx.split(EagleHead(loaded.config, loaded.params))  # as engine.step builds it
     W, D = max(widths), FLAGS.depth
 
     @jax.jit
     def hits(target_state, head_state, tokens):
         """bool `[D, L, W]`: pass d's top-w tokens at position i hold the target's greedy token after i."""
         head = nnx.merge(head_def, head_state)
-        f = dense_hidden(nnx.merge(target_def, target_state), tokens[None])[0].astype(jnp.float32)
-        want = jnp.argmax(f @ embed.T, axis=-1)
+        model = nnx.merge(target_def, target_state)
+        f = dense_hidden(model, tokens[None])[0]
+        want = jnp.argmax(model.logits(f), axis=-1)  # the target's own head, tied or not
         positions, attend = dense_rows(1, tokens.shape[0])
         prev, out = f, []
         for _ in range(D):
@@ -86,7 +83,9 @@ def main(argv):
         return jnp.stack(out)
 
     llm = LLM(target, speculative=None, max_num_seqs=8)
-    rows = split_prompts(DATA)
+    if prompts_dir() is None:
+        raise FileNotFoundError("no shared/data/prompts beside or inside the repository")
+    rows = split_prompts(prompts_dir())
     print(f"# EAGLE head {name}: oracle trees ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, "
           f"greedy, {FLAGS.max_tokens} tokens/answer, held-out prompts)\n")
     table = []
