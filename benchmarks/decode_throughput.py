@@ -1,37 +1,32 @@
-"""Decode throughput, prefill latency and the memory-bandwidth roofline, real model, fp32, CPU.
+"""Decode throughput and prefill latency of the engine against the peers a CPU user would pick instead.
 
-Compares this engine with Hugging Face transformers on the same machine and
-the same prompt token ids (SmolLM2-135M-Instruct, the Q4_1 GGUF dequantized to
-float32 by both), and against a roofline measured in the same run.
+SmolLM2-135M-Instruct, greedy, the same prompt token ids for every program, each program in a process of
+its own (its threads never share the cores with another's), processes alternating over `--rounds` rounds
+(the order rotates each round), medians over rounds with the spread (min-max):
 
-  python benchmarks/decode_throughput.py [--batch_sizes=1,8] [--decode_tokens=64]
-      [--prefill_len=512] [--repeats=3] [--skip_transformers] [--temperature=0.8]
+  python benchmarks/decode_throughput.py [--programs=engine,engine-bf16,llama.cpp-f32,llama.cpp-f16,transformers]
+      [--batch_sizes=1,8,32] [--decode_tokens=64] [--prefill_len=512] [--rounds=3] [--repeats=3]
 
-What is measured (medians over --repeats, after a warm-up run so no
-compilation is timed; each repeat runs the engine and transformers measurements
-back to back so both see the same background load, which is also reported):
+Programs:
 
-* engine decode: the requests are added, the step(s) that prefill them (and
-  sample their first token) run untimed, then every following `Engine.step()`
-  is timed with the wall clock until all requests have `decode_tokens` tokens.
-  The timed steps are whole engine steps: scheduling, packing, host-to-device
-  copies, the jitted forward + sampling, the token read-back, detokenizing.
-  tok/s = tokens from the timed steps / time; ms/step = time / timed steps.
-* transformers decode: greedy `generate` (min_new_tokens = max_new_tokens, so
-  no early stop), inference_mode, left-padded batch with an attention mask.
-  Decode-only time per step = (t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1),
-  each t the median over repeats.
-* roofline: copy bandwidth BW = (bytes read + bytes written) / time of
-  `np.copyto` between two preallocated --copy_mb arrays (the best of 1 thread and
-  one thread per CPU, each over several repeats, at the start and the end of
-  the run). Batch-1 decode must read every weight once per token, so
-  roofline tok/s = BW / weight bytes, where weight bytes = all parameters in
-  fp32, the tied embedding counted once (read as the LM head; the
-  embedding-row lookup is negligible). KV-cache reads (~1% here) are ignored.
-* prefill: time to first token of one --prefill_len-token prompt (real text from
-  long_context.jsonl, truncated) in one engine step (max_num_batched_tokens >=
-  prefill_len), vs a transformers forward on the same ids with logits_to_keep=1
-  (what `generate` does for its prefill) plus the argmax.
+* `engine` (fp32 kernel weights), `engine-bf16` (`kernel_dtype="bfloat16"`): this engine, `speculative=None`,
+  kernels as `--matmul` says (default: chosen by measurement, `engine.kernels`). Every batch size is
+  warmed up twice with the very run it then times (the second warm-up already hits the prefix cache, as
+  the timed runs do), and each timed run asserts that nothing compiled while it ran. The timed steps are
+  whole `Engine.step()`s after every request has its first token: scheduling, packing, host-to-device
+  copies, the jitted step, the read-back, detokenizing.
+* `llama.cpp-f32`, `llama.cpp-f16`: llama.cpp through `llama-cpp-python` (`pip install -e '.[bench]'`;
+  build it with `CMAKE_ARGS="-DGGML_NATIVE=ON"` for this CPU), on F32 and F16 GGUFs written once from the
+  same Q4_1 file (`llama_model_quantize`, kept in the engine's cache folder); as many threads as CPUs;
+  batch 1 and prefill only (its Python API decodes one sequence).
+* `transformers`: Hugging Face transformers fp32 (`generate`, greedy, left-padded batch). Decode ms/step
+  = (t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1).
+
+The roofline is batch-1 decode reading every weight once per token at the copy bandwidth (bytes read +
+written by `np.copyto`, best of one thread and one per CPU) measured before every round: roofline tok/s =
+BW / fp32 weight bytes (the tied embedding once, as the LM head). Prefill: time to the first token of one
+`--prefill_len`-token prompt (long_context text), never from a cache. Greedy agreement: tokens before the
+first divergence from the engine's fp32 output, per request.
 """
 
 from __future__ import annotations
@@ -42,6 +37,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,24 +46,22 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
-
-from benchmarks.baselines import hf_batch, hf_setup, prompts_dir  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.baselines import hf_batch, hf_setup, prompts_dir  # noqa: E402
+
 FLAGS = flags.FLAGS
-flags.DEFINE_list("batch_sizes", ["1", "8"], "Decode batch sizes.")
+PROGRAMS = ["engine", "engine-bf16", "llama.cpp-f32", "llama.cpp-f16", "transformers"]
+flags.DEFINE_list("programs", PROGRAMS, f"Programs to time, of {PROGRAMS}.")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Decode batch sizes (llama.cpp: batch 1 only).")
 flags.DEFINE_integer("decode_tokens", 64, "Tokens generated per request (the first comes from prefill).")
 flags.DEFINE_integer("prefill_len", 512, "Prompt length of the prefill (TTFT) measurement.")
-flags.DEFINE_integer("repeats", 3, "Timed repeats per measurement (medians are reported).")
-flags.DEFINE_bool("skip_transformers", False, "Skip the Hugging Face transformers baseline.")
+flags.DEFINE_integer("rounds", 3, "Rounds; each runs every program once, in a process of its own.")
+flags.DEFINE_integer("repeats", 3, "Timed repeats inside each process (its median is the round's value).")
+flags.DEFINE_enum("matmul", "auto", ["auto", "amx", "avx512", "avx2", "xla"], "The engine's product kernels.")
 flags.DEFINE_integer("copy_mb", 512, "Size of each array in the bandwidth measurement, MiB (>= 256).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Engine weight dtype (transformers stays fp32).")
-flags.DEFINE_enum("matmul", "auto", ["auto", "xla"], "Engine products over few tokens: the CPU kernel or XLA's dot.")
-flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
-                  "Weights the CPU kernel streams (default: the model's dtype).")
-flags.DEFINE_enum("attention", "auto", ["auto", "reference", "native"], "Engine paged attention on CPU.")
-flags.DEFINE_float("temperature", 0.0, "Engine sampling temperature (seeded, top-p 0.95 when > 0); 0 is greedy.")
-flags.DEFINE_bool("breakdown", True, "Also time the pieces of an engine decode step (host vs device).")
+flags.DEFINE_string("worker", None, "Internal: run one program's measurement and print its JSON result.")
+flags.DEFINE_string("inputs", None, "Internal: the JSON file of prompt token ids a worker reads.")
 
 FALLBACK_PROMPTS = [
     "Explain why the sky is blue in a few sentences.",
@@ -81,9 +75,8 @@ FALLBACK_PROMPTS = [
 ]
 FALLBACK_LONG = ("The history of computing spans centuries, from the abacus and mechanical calculators "
                  "to electronic computers, transistors, integrated circuits and networks. ") * 64
+log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
-
-# ---- inputs --------------------------------------------------------------------------------
 
 def read_jsonl(name: str, n: int) -> list[str] | None:
     d = prompts_dir()
@@ -100,401 +93,304 @@ def read_jsonl(name: str, n: int) -> list[str] | None:
     return out if len(out) == n else None
 
 
-# ---- roofline ------------------------------------------------------------------------------
-
-def copy_bandwidth(mib: int, repeats: int) -> dict:
-    """(bytes read + bytes written) / s of np.copyto, 1 thread and one per CPU; best of each."""
+def copy_bandwidth(mib: int) -> float:
+    """(bytes read + bytes written) / s of np.copyto, best of 1 thread and one thread per CPU, 8 copies each."""
     n = mib * (1 << 20) // 4
-    src = np.ones(n, np.float32)
-    dst = np.zeros(n, np.float32)  # touched: no page faults in the timed copies
+    src, dst = np.ones(n, np.float32), np.zeros(n, np.float32)  # dst touched: no page faults timed
     threads = os.cpu_count() or 1
-    pool = concurrent.futures.ThreadPoolExecutor(threads)
     bounds = np.linspace(0, n, threads + 1).astype(np.int64)
-
-    def parallel_copy():  # np.copyto releases the GIL for plain dtypes
-        list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
-                      range(threads)))
-
-    result = {}
-    for name, fn in (("1 thread", lambda: np.copyto(dst, src)), (f"{threads} threads", parallel_copy)):
-        fn()  # warm-up
-        times = []
-        for _ in range(max(5, repeats)):
-            t = time.perf_counter()
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        def parallel():  # np.copyto releases the GIL
+            list(pool.map(lambda i: np.copyto(dst[bounds[i]:bounds[i + 1]], src[bounds[i]:bounds[i + 1]]),
+                          range(threads)))
+        for fn in (lambda: np.copyto(dst, src), parallel):
             fn()
-            times.append(time.perf_counter() - t)
-        result[name] = 2 * src.nbytes / min(times)  # best: the machine's capability under noise
-    pool.shutdown()
-    return result
+            for _ in range(8):
+                t = time.perf_counter()
+                fn()
+                best = max(best, 2 * src.nbytes / (time.perf_counter() - t))
+    return best
 
 
-def gemv_read_bandwidth(mib: int, repeats: int) -> float:
-    """Bytes read / s of a jitted fp32 matrix-vector product over a `mib` MiB matrix (XLA:CPU), best of repeats.
+# ---- workers: one program each, in a process of its own ---------------------------------------------
 
-    What a batch-1 decode step does with each weight matrix, at a size no cache holds.
-    """
-    import jax
-    import jax.numpy as jnp
+def engine_worker(kernel_dtype: str, inputs: dict) -> dict:
+    from engine import LLM, SamplingParams
+    from engine.compilation import compilation_count
 
-    a = jnp.ones((mib * (1 << 20) // (4 * 4096), 4096), jnp.float32)
-    v = jnp.ones((4096,), jnp.float32)
-    gemv = jax.jit(lambda a, v: a @ v)
-    gemv(a, v).block_until_ready()
-    times = []
-    for _ in range(max(5, repeats)):
+    N, R = inputs["decode_tokens"], inputs["repeats"]
+    llm = LLM(speculative=None, kernel_dtype=kernel_dtype, matmul=inputs["matmul"],
+              max_num_batched_tokens=max(512, len(inputs["long"])), max_num_seqs=max(64, *inputs["batch_sizes"]))
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+    def decode(ids: list[list[int]]):
+        reqs = [engine.add_request(p, greedy) for p in ids]
+        while any(not r.output_token_ids for r in reqs):  # prefill, untimed
+            engine.step()
+        before, compiled = sum(len(r.output_token_ids) for r in reqs), compilation_count()
+        steps, t = 0, time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        seconds = time.perf_counter() - t
+        assert compilation_count() == compiled, "a timed decode run compiled"
+        return seconds, steps, sum(len(r.output_token_ids) for r in reqs) - before, [r.output_token_ids for r in reqs]
+
+    def ttft(salt: str) -> float:
         t = time.perf_counter()
-        gemv(a, v).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return a.nbytes / min(times)
+        engine.add_request(inputs["long"], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                           cache_salt=salt)
+        while not engine.step():
+            pass
+        return time.perf_counter() - t
 
-
-class CpuMonitor:
-    """CPU used by other processes since construction, in CPUs (from /proc/stat minus this process)."""
-
-    def __init__(self):
-        self.t, self.busy, self.own = time.perf_counter(), self._busy(), self._own()
-
-    @staticmethod
-    def _busy() -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except OSError:
-            return None
-        return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-    @staticmethod
-    def _own() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def other_cpus(self) -> float | None:
-        busy = self._busy()
-        if busy is None or self.busy is None:
-            return None
-        return max(0.0, (busy - self.busy) - (self._own() - self.own)) / (time.perf_counter() - self.t)
-
-
-# ---- engine --------------------------------------------------------------------------------
-
-def engine_decode(engine, prompt_ids: list[list[int]], n_tokens: int, on_prefilled=lambda: None):
-    """Runs one batch; returns (decode seconds, decode steps, tokens from them, tokens per request).
-
-    The step(s) until every request has its first token are untimed; when the
-    prompts exceed one step's token budget, some requests start decoding there.
-    """
-    from engine import SamplingParams
-    t = FLAGS.temperature
-    sp = SamplingParams(temperature=t, top_p=0.95 if t > 0 else 1.0, seed=0 if t > 0 else None, max_tokens=n_tokens,
-                        ignore_eos=True)
-    reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
-    while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill (untimed)
-        engine.step()
-    on_prefilled()
-    before = sum(len(r.output_token_ids) for r in reqs)
-    steps, total = 0, 0.0
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        total += time.perf_counter() - t
-        steps += 1
-    tokens = sum(len(r.output_token_ids) for r in reqs) - before
-    return total, steps, tokens, [list(r.output_token_ids) for r in reqs]
-
-
-def engine_ttft(engine, ids: list[int]) -> float:
-    """Seconds from submitting the prompt to its first token, never from the prefix cache (a fresh salt)."""
-    from engine import SamplingParams
-    t = time.perf_counter()
-    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                       cache_salt=f"ttft-{time.perf_counter_ns()}")
-    while not engine.step():
-        pass
-    dt = time.perf_counter() - t
-    assert not engine.has_unfinished()
-    return dt
-
-
-def engine_step_breakdown(engine, prompt_ids: list[list[int]], n_tokens: int) -> dict:
-    """Per-decode-step milliseconds of the phases of Engine.step, from the engine's own `StepTiming`s.
-
-    "jit step (device)" runs from dispatching the step program to its outputs
-    on the host; everything else is host work.
-    """
-    rows = {"schedule": ("schedule", "block_ops"), "pack": ("pack",), "to_device": ("to_device",),
-            "jit step (device)": ("device",), "append+detok": ("update",)}
-    acc = dict.fromkeys(rows, 0.0)
-    timings = []
-    engine.on_step = timings.append
-    try:
-        total, steps, _, _ = engine_decode(engine, prompt_ids, n_tokens, on_prefilled=timings.clear)
-    finally:
-        engine.on_step = None
-    for t in timings:
-        for row, phases in rows.items():
-            acc[row] += sum(getattr(t, p) for p in phases)
-    out = {k: 1e3 * v / steps for k, v in acc.items()}
-    out["other"] = 1e3 * total / steps - sum(out.values())
-    out["total"] = 1e3 * total / steps
+    out = {"decode": {}, "kernels": engine.runner.kernel_choice}
+    for b in inputs["batch_sizes"]:
+        ids = inputs["prompts"][:b]
+        decode(ids), decode(ids)  # warm-up: the first run compiles, the second meets the prefix-cache hits
+        runs = [decode(ids) for _ in range(R)]
+        out["decode"][b] = {"ms": 1e3 * statistics.median(s / n for s, n, _, _ in runs),
+                            "tps": statistics.median(k / s for s, _, k, _ in runs), "tokens": runs[0][3]}
+    ttft(f"warm-{time.time_ns()}"), ttft(f"warm-{time.time_ns()}")
+    compiled = compilation_count()
+    out["ttft"] = statistics.median(ttft(f"ttft-{time.time_ns()}") for _ in range(R))
+    assert compilation_count() == compiled, "a timed prefill compiled"
+    out["weight_bytes"] = engine.model_config.num_params * 4
     return out
 
 
-def pure_step_ms(engine, prompt_ids: list[list[int]], repeats: int) -> float:
-    """Median ms of the jitted step alone on a fixed decode batch (inputs already on device)."""
-    import jax
-    from engine import SamplingParams
-    from engine.step import StepBatch
-    # max_tokens leaves room: no request may finish while a longer prompt is still prefilling.
-    sp = SamplingParams(temperature=0, max_tokens=1024, ignore_eos=True)
-    reqs = [engine.add_request(ids, sp) for ids in prompt_ids]
-    while any(len(r.output_token_ids) == 0 for r in reqs):
-        engine.step()
-    plan = engine.scheduler.schedule()  # the decode step, planned but never committed
-    assert len(plan.seqs) == len(reqs) and plan.num_tokens == len(reqs), "not a pure decode step"
-    runner = engine.runner
-    packed = runner.pack(plan, {r.request_id: 0 for r in reqs})  # greedy: seeds do not matter
-    batch = jax.block_until_ready(StepBatch.from_packed(packed))
-    times = []
-    for _ in range(max(10, 3 * repeats)):
+def llama_cpp_gguf(kind: str) -> str:
+    """An F32 or F16 GGUF of the default model, written once from its Q4_1 file into the cache folder."""
+    import ctypes
+
+    import llama_cpp
+
+    from checkpoints import default_gguf_path
+    from checkpoints.resolve import cache_dir
+    path = os.path.join(cache_dir(), "peers", f"smollm2-135m-instruct-{kind}.gguf")
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = {"f32": llama_cpp.LLAMA_FTYPE_ALL_F32, "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16}[kind]
+        params.allow_requantize = True
+        tmp = path + ".tmp"
+        if llama_cpp.llama_model_quantize(default_gguf_path().encode(), tmp.encode(), ctypes.byref(params)):
+            raise RuntimeError(f"llama_model_quantize failed writing {tmp}")
+        os.replace(tmp, path)
+    return path
+
+
+def llama_cpp_worker(kind: str, inputs: dict) -> dict:
+    import llama_cpp
+
+    N, R, threads = inputs["decode_tokens"], inputs["repeats"], os.cpu_count() or 1
+    llm = llama_cpp.Llama(llama_cpp_gguf(kind), n_ctx=2048, n_batch=2048, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    ids = inputs["prompts"][0]
+
+    def decode():
+        llm.reset()
+        llm.eval(ids)
+        tokens = [llm.sample(temp=0.0)]
         t = time.perf_counter()
-        jax.block_until_ready(runner.execute(batch, None, None))
-        times.append(time.perf_counter() - t)
-    for r in reqs:
-        engine.abort(r.request_id)
-    return 1e3 * statistics.median(times)
+        while len(tokens) < N:
+            llm.eval(tokens[-1:])
+            tokens.append(llm.sample(temp=0.0))
+        return time.perf_counter() - t, tokens
 
-
-# ---- transformers --------------------------------------------------------------------------
-
-def hf_generate(model, ids, mask, n: int, pad_id: int):
-    import torch
-    from transformers import GenerationConfig
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id,
-                          eos_token_id=model.generation_config.eos_token_id, use_cache=True)
-    with torch.inference_mode():
+    def ttft() -> float:
+        llm.reset()
         t = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
-        dt = time.perf_counter() - t
-    return dt, out[:, ids.shape[1]:].tolist()
-
-
-def hf_prefill(model, ids: list[int]) -> float:
-    import torch
-    x = torch.tensor([ids])
-    with torch.inference_mode():
-        t = time.perf_counter()
-        logits = model(input_ids=x, logits_to_keep=1).logits
-        int(logits[0, -1].argmax())
+        llm.eval(inputs["long"])
+        llm.sample(temp=0.0)
         return time.perf_counter() - t
 
+    decode(), decode(), ttft()
+    runs = [decode() for _ in range(R)]
+    return {"decode": {1: {"ms": 1e3 * statistics.median(s for s, _ in runs) / (N - 1),
+                           "tps": statistics.median((N - 1) / s for s, _ in runs), "tokens": [runs[0][1]]}},
+            "ttft": statistics.median(ttft() for _ in range(R)), "threads": threads}
 
-# ---- main ----------------------------------------------------------------------------------
 
-def fmt(x, spec=".1f", suffix=""):
-    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+def transformers_worker(inputs: dict) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    from checkpoints import default_gguf_path
+    N, R = inputs["decode_tokens"], inputs["repeats"]
+    model = hf_setup(default_gguf_path())
+    pad = model.generation_config.pad_token_id or 0
+
+    def generate(ids, mask, n: int):
+        gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad,
+                              eos_token_id=model.generation_config.eos_token_id, use_cache=True)
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+            return time.perf_counter() - t, out[:, ids.shape[1]:].tolist()
+
+    def ttft() -> float:
+        with torch.inference_mode():
+            t = time.perf_counter()
+            int(model(input_ids=torch.tensor([inputs["long"]]), logits_to_keep=1).logits[0, -1].argmax())
+            return time.perf_counter() - t
+
+    out = {"decode": {}, "threads": torch.get_num_threads()}
+    for b in inputs["batch_sizes"]:
+        batch = hf_batch(inputs["prompts"][:b], pad)
+        generate(*batch, N)
+        t1 = statistics.median(generate(*batch, 1)[0] for _ in range(R))
+        runs = [generate(*batch, N) for _ in range(R)]
+        per_step = (statistics.median(s for s, _ in runs) - t1) / (N - 1)
+        out["decode"][b] = {"ms": 1e3 * per_step, "tps": b / per_step, "tokens": runs[0][1]}
+    ttft()
+    out["ttft"] = statistics.median(ttft() for _ in range(R))
+    return out
+
+
+def run_worker(name: str, inputs: dict) -> dict:
+    if name in ("engine", "engine-bf16"):
+        return engine_worker("bfloat16" if name == "engine-bf16" else "float32", inputs)
+    if name.startswith("llama.cpp-"):
+        return llama_cpp_worker(name.split("-")[1], inputs)
+    return transformers_worker(inputs)
+
+
+# ---- the orchestrator ---------------------------------------------------------------------------------
+
+def make_inputs(path: str) -> dict:
+    from checkpoints import default_gguf_path
+    from checkpoints.gguf_loader import load_gguf
+    from engine.inputs import encode_prompt
+
+    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
+    chat = read_jsonl("chat.jsonl", max(batch_sizes))
+    source = "chat.jsonl" if chat else "built-in list"
+    chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
+    tokenizer = load_gguf(default_gguf_path()).tokenizer
+    long_ids = tokenizer.encode((read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0])[:FLAGS.prefill_len]
+    long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
+    inputs = {"prompts": [encode_prompt(tokenizer, [{"role": "user", "content": p}]) for p in chat],
+              "long": long_ids, "batch_sizes": batch_sizes, "decode_tokens": FLAGS.decode_tokens,
+              "repeats": FLAGS.repeats, "matmul": FLAGS.matmul, "source": source}
+    with open(path, "w") as f:
+        json.dump(inputs, f)
+    return inputs
+
+
+def spawn(name: str, inputs_path: str) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={name}", f"--inputs={inputs_path}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        log(f"  {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def spread(values: list[float], spec: str = ".1f") -> str:
+    med = statistics.median(values)
+    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main(argv):
     del argv
+    if FLAGS.worker:
+        with open(FLAGS.inputs) as f:
+            inputs = json.load(f)
+        print("RESULT " + json.dumps(run_worker(FLAGS.worker, inputs)), flush=True)
+        return
+    unknown = set(FLAGS.programs) - set(PROGRAMS)
+    if unknown or FLAGS.decode_tokens < 2 or FLAGS.rounds < 1 or FLAGS.repeats < 1 or FLAGS.copy_mb < 256:
+        raise app.UsageError(f"unknown programs {sorted(unknown)}, or --decode_tokens < 2, --rounds/--repeats < 1, "
+                             "--copy_mb < 256" if unknown else "--decode_tokens >= 2, --rounds/--repeats >= 1, "
+                             "--copy_mb >= 256")
     t_start = time.perf_counter()
-    import jax
-    import torch
-    from checkpoints import default_gguf_path
-    from engine import LLM
+    os.makedirs(os.path.join(ROOT, ".cache"), exist_ok=True)
+    inputs_path = os.path.join(ROOT, ".cache", "decode_throughput_inputs.json")
+    inputs = make_inputs(inputs_path)
+    programs = list(FLAGS.programs)
+    results: dict[str, list[dict]] = {p: [] for p in programs}
+    bandwidths = []
+    for r in range(FLAGS.rounds):
+        bandwidths.append(copy_bandwidth(FLAGS.copy_mb))
+        order = programs[r % len(programs):] + programs[:r % len(programs)]
+        for name in order:
+            log(f"round {r + 1}/{FLAGS.rounds}: {name} ...")
+            res = spawn(name, inputs_path)
+            if res is not None:
+                results[name].append(res)
 
-    batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    N, R = FLAGS.decode_tokens, FLAGS.repeats
-    if N < 2:
-        raise app.UsageError("--decode_tokens must be >= 2 (the first token comes from prefill)")
-    if FLAGS.copy_mb < 256:
-        raise app.UsageError("--copy_mb must be >= 256")
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
-
-    # Inputs.
-    chat = read_jsonl("chat.jsonl", max(batch_sizes))
-    source = "chat.jsonl" if chat else "built-in list"
-    chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
-    long_text = (read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0]
-
-    llm = LLM(dtype=FLAGS.dtype, matmul=FLAGS.matmul, kernel_dtype=FLAGS.kernel_dtype, attention=FLAGS.attention,
-              max_num_batched_tokens=max(512, FLAGS.prefill_len),
-              max_num_seqs=max(64, max(batch_sizes)))
-    engine = llm.engine
-    prompt_ids = [llm.encode([{"role": "user", "content": p}]) for p in chat]
-    long_ids = llm.tokenizer.encode(long_text)[:FLAGS.prefill_len]
-    if len(long_ids) < FLAGS.prefill_len:
-        long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
-    # The weights a decode step reads once: the CPU kernel's packed copies when it runs (in their dtype), else
-    # the model's own.
-    weight_bytes = engine.runner.packed_bytes or sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.runner.state))
-    n_params = engine.model_config.num_params
-
-    monitor = CpuMonitor()
-
-    # Roofline.
-    log("measuring copy bandwidth ...")
-    bw_start = copy_bandwidth(FLAGS.copy_mb, R)
-
-    model = None
-    if not FLAGS.skip_transformers:
-        log("loading transformers model ...")
-        model = hf_setup(default_gguf_path())
-        pad_id = model.generation_config.pad_token_id
-        pad_id = pad_id if pad_id is not None else 0
-        hf_inputs = {b: hf_batch(prompt_ids[:b], pad_id) for b in batch_sizes}
-
-    # Warm-up (compilation, allocator, caches), untimed.
-    log("warm-up ...")
-    for b in batch_sizes:
-        engine_decode(engine, prompt_ids[:b], N)  # compiles the prefill and decode shapes
-        if model is not None:
-            hf_generate(model, *hf_inputs[b], N, pad_id)
-    engine_ttft(engine, long_ids)
-    if model is not None:
-        hf_prefill(model, long_ids)
-
-    # Timed repeats, engine and transformers interleaved so both see the same background load.
-    eng_runs = {b: [] for b in batch_sizes}
-    hf_runs = {b: {"t1": [], "tN": []} for b in batch_sizes}
-    eng_ttfts, hf_ttfts, hf_tokens, load = [], [], {}, []
-    for r in range(R):
-        log(f"repeat {r + 1}/{R} ...")
-        m = CpuMonitor()
-        for b in batch_sizes:
-            eng_runs[b].append(engine_decode(engine, prompt_ids[:b], N))
-            if model is not None:
-                hf_runs[b]["t1"].append(hf_generate(model, *hf_inputs[b], 1, pad_id)[0])
-                dt, toks = hf_generate(model, *hf_inputs[b], N, pad_id)
-                hf_runs[b]["tN"].append(dt)
-                hf_tokens.setdefault(b, toks)
-        eng_ttfts.append(engine_ttft(engine, long_ids))
-        if model is not None:
-            hf_ttfts.append(hf_prefill(model, long_ids))
-        load.append(m.other_cpus())
-
-    eng, eng_tokens = {}, {}
-    for b, runs in eng_runs.items():
-        eng_tokens[b] = runs[0][3]
-        eng[b] = {"ms": 1e3 * statistics.median(r[0] / r[1] for r in runs),
-                  "tps": statistics.median(r[2] / r[0] for r in runs), "steps": runs[0][1],
-                  "tokens": runs[0][2], "all_ms": [1e3 * r[0] / r[1] for r in runs]}
-    eng_ttft = statistics.median(eng_ttfts)
-    hf, hf_ttft, agree = {}, None, {}
-    if model is not None:
-        for b, runs in hf_runs.items():
-            t1, tN = statistics.median(runs["t1"]), statistics.median(runs["tN"])
-            per_step = (tN - t1) / (N - 1)
-            hf[b] = {"ms": 1e3 * per_step, "tps": b / per_step, "t1": t1, "tN": tN,
-                     "all_ms": [1e3 * (n - o) / (N - 1) for o, n in zip(runs["t1"], runs["tN"])]}
-            if FLAGS.temperature > 0:
-                continue
-            # Greedy agreement: tokens before the first divergence, per request.
-            agree[b] = [next((i for i, (x, y) in enumerate(zip(e, h)) if x != y), min(len(e), len(h)))
-                        for e, h in zip(eng_tokens[b], hf_tokens[b])]
-        hf_ttft = statistics.median(hf_ttfts)
-
-    # Breakdown of an engine decode step (untimed in the table).
-    breakdown, pure = {}, {}
-    if FLAGS.breakdown:
-        for b in batch_sizes:
-            log(f"engine step breakdown, batch {b} ...")
-            breakdown[b] = engine_step_breakdown(engine, prompt_ids[:b], N)
-            pure[b] = pure_step_ms(engine, prompt_ids[:b], R)
-    log("measuring copy bandwidth again ...")
-    bw_end = copy_bandwidth(FLAGS.copy_mb, R)
-    read_bw = gemv_read_bandwidth(FLAGS.copy_mb, R)
-    background = monitor.other_cpus()
-    # Bandwidth is shared with whatever else runs on the host; the best measured is the machine's capability.
-    bw = {k: max(bw_start[k], bw_end[k]) for k in bw_start}
-    bw_best = max(bw.values())
-    roofline_tps = bw_best / weight_bytes
-
-    # Report.
-    runtime = time.perf_counter() - t_start
-    cpus = os.cpu_count()
-    print(f"# Decode throughput — SmolLM2-135M-Instruct {FLAGS.dtype}, matmul {FLAGS.matmul} "
-          f"(kernel weights {FLAGS.kernel_dtype or FLAGS.dtype}), attention {FLAGS.attention} "
-          f"({n_params / 1e6:.1f}M params), CPU")
+    bw = max(bandwidths)
+    weight_bytes = next((res[0]["weight_bytes"] for res in results.values() if res and "weight_bytes" in res[0]), None)
+    roofline = bw / weight_bytes if weight_bytes else None
+    ref = results.get("engine") or []
+    print(f"# Decode throughput: SmolLM2-135M-Instruct, greedy, {FLAGS.decode_tokens} tokens/request, CPU")
     print()
-    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')} | host {platform.node()} | "
-          f"{cpus} CPUs ({platform.processor() or platform.machine()}) | jax {jax.__version__} "
-          f"({jax.default_backend()}) | torch {torch.__version__} | torch threads {torch.get_num_threads()} | "
-          f"python {platform.python_version()}")
-    t = FLAGS.temperature
-    sampling = f"temperature {t}, top-p 0.95, seeded" if t > 0 else "greedy"
-    print(f"prompts: first {max(batch_sizes)} of {source}, chat-templated, lengths "
-          f"{[len(p) for p in prompt_ids]}; {sampling}, ignore_eos, {N} tokens/request "
-          f"({N - 1} timed decode steps); prefill: {len(long_ids)} tokens of long_context text; "
-          f"medians of {R} repeats after a warm-up, engine and transformers interleaved")
-    print(f"background load: other processes used {fmt(background, '.2f')} of {cpus} CPUs on average during "
-          f"this run (per timed repeat: {[fmt(x, '.2f') for x in load]}); timings on a shared machine are "
-          "noisy, see per-repeat values below")
+    print(f"date {datetime.datetime.now().isoformat(timespec='seconds')} | {os.cpu_count()} CPUs "
+          f"({cpu_model()}) | python {platform.python_version()} | {FLAGS.rounds} rounds x {FLAGS.repeats} repeats, "
+          f"one process per program and round, alternating | prompts: first {max(inputs['batch_sizes'])} of "
+          f"{inputs['source']}, chat-templated | prefill {len(inputs['long'])} tokens")
+    if ref:
+        print(f"engine kernels (chosen in each process): {sorted({json.dumps(x['kernels']) for x in ref})}")
     print()
-    print("| metric | engine | transformers | ratio | target |")
-    print("|---|---|---|---|---|")
-    targets = {1: 1.6, 8: 2.0}
-    for b in batch_sizes:
-        e, h = eng[b], hf.get(b)
-        ratio = e["tps"] / h["tps"] if h else None
-        tgt = targets.get(b)
-        tgt_s = f"≥{tgt}x transformers: {'MET' if ratio >= tgt else 'NOT MET'}" if tgt and ratio else (
-            f"≥{tgt}x transformers" if tgt else "—")
-        print(f"| decode tok/s, batch {b} | {e['tps']:.1f} | {fmt(h and h['tps'])} | {fmt(ratio, '.2f', 'x')} "
-              f"| {tgt_s} |")
-        print(f"| decode ms/step, batch {b} | {e['ms']:.1f} | {fmt(h and h['ms'])} | "
-              f"{fmt(h and h['ms'] / e['ms'], '.2f', 'x')} | — |")
-        if b == 1:
-            pct = e["tps"] / roofline_tps
-            print(f"| decode batch 1, % of roofline ({roofline_tps:.1f} tok/s) | {100 * pct:.0f}% | "
-                  f"{fmt(h and 100 * h['tps'] / roofline_tps, '.0f', '%')} | — | "
-                  f"≥70%: {'MET' if pct >= 0.7 else 'NOT MET'} |")
-    ratio = hf_ttft / eng_ttft if hf_ttft else None
-    print(f"| prefill {len(long_ids)} tokens, TTFT ms | {1e3 * eng_ttft:.0f} | {fmt(hf_ttft and 1e3 * hf_ttft, '.0f')} "
-          f"| {fmt(ratio, '.2f', 'x')} | ≥1x transformers"
-          f"{(': MET' if ratio >= 1 else ': NOT MET') if ratio else ''} |")
-    print(f"| prefill {len(long_ids)} tokens, tok/s | {len(long_ids) / eng_ttft:.0f} | "
-          f"{fmt(hf_ttft and len(long_ids) / hf_ttft, '.0f')} | {fmt(ratio, '.2f', 'x')} | — |")
+    batch_sizes = inputs["batch_sizes"]
+    print("| program | " + " | ".join(f"batch {b} tok/s" for b in batch_sizes) + " | batch 1 ms/step | "
+          f"prefill {len(inputs['long'])} TTFT ms |")
+    print("|---|" + "---:|" * (len(batch_sizes) + 2))
+    for name in programs:
+        runs = results[name]
+        if not runs:
+            print(f"| {name} | " + " | ".join("failed" for _ in range(len(batch_sizes) + 2)) + " |")
+            continue
+        cells = [spread([x["decode"][str(b)]["tps"] for x in runs]) if str(b) in runs[0]["decode"] else "—"
+                 for b in batch_sizes]
+        ms = spread([x["decode"]["1"]["ms"] for x in runs], ".2f") if "1" in runs[0]["decode"] else "—"
+        print(f"| {name} | " + " | ".join(cells) + f" | {ms} | {spread([1e3 * x['ttft'] for x in runs], '.0f')} |")
     print()
-    print("ratio = engine speed / transformers speed (for ms rows: transformers ms / engine ms); > 1 means "
-          "the engine is faster.")
+    print("Values: median over rounds (min-max). Ratios of medians:")
+    med = lambda name, b: statistics.median(x["decode"][str(b)]["tps"] for x in results[name])  # noqa: E731
+    have = lambda name, b: results.get(name) and str(b) in results[name][0]["decode"]  # noqa: E731
+    for a, b_name in (("engine", "llama.cpp-f32"), ("engine-bf16", "llama.cpp-f16"), ("engine", "transformers"),
+                      ("engine-bf16", "transformers")):
+        ratios = [f"batch {b} {med(a, b) / med(b_name, b):.2f}x" for b in batch_sizes if have(a, b) and have(b_name, b)]
+        if ratios:
+            print(f"  {a} / {b_name}: " + ", ".join(ratios))
+    if roofline:
+        print(f"  roofline: copy bandwidth {bw / 1e9:.1f} GB/s (best before each round: "
+              f"{[round(x / 1e9, 1) for x in bandwidths]}) / {weight_bytes / 1e6:.0f} MB of fp32 weights = "
+              f"{roofline:.1f} tok/s at batch 1")
+        for name in programs:
+            if have(name, 1):
+                print(f"    {name}: {100 * med(name, 1) / roofline:.0f}% of it")
+    if ref:
+        print("Greedy agreement with the engine (fp32), tokens before the first divergence (first round):")
+        for name in programs:
+            if name != "engine" and results[name]:
+                for b, got in results[name][0]["decode"].items():
+                    want = ref[0]["decode"][b]["tokens"]
+                    print(f"  {name} batch {b}: {[agreement(x, y) for x, y in zip(got['tokens'], want)]} "
+                          f"of {FLAGS.decode_tokens}")
     print()
-    print("Roofline (measured in this run):")
-    print(f"  copy bandwidth BW = (bytes read + bytes written) / t of np.copyto, {FLAGS.copy_mb} MiB arrays, "
-          "best of several copies, measured at the start and at the end of the run: "
-          + ", ".join(f"{k} {bw_start[k] / 1e9:.1f} / {bw_end[k] / 1e9:.1f} GB/s" for k in bw)
-          + f" -> BW = {bw_best / 1e9:.1f} GB/s (the best)")
-    read = (f"the CPU kernel's packed weights ({FLAGS.kernel_dtype or FLAGS.dtype}, every projection and the LM "
-            "head, padded to panels of 16 columns)" if engine.runner.packed_bytes else
-            f"all {n_params / 1e6:.2f}M parameters ({FLAGS.dtype}; tied embedding read once as LM head)")
-    print(f"  weight bytes/token = {read} = {weight_bytes / 1e6:.1f} MB")
-    print(f"  roofline tok/s (batch 1) = BW / weight bytes/token = {bw_best / 1e9:.1f} GB/s / "
-          f"{weight_bytes / 1e6:.1f} MB = {roofline_tps:.1f} tok/s "
-          f"(= {1e3 / roofline_tps:.1f} ms/step; batch b reads the weights once per step: b x that)")
-    read_tps = read_bw / weight_bytes
-    print(f"  for reference, not the target: read bandwidth of a jitted fp32 matrix-vector product over a "
-          f"{FLAGS.copy_mb} MiB matrix (XLA:CPU, what decode does with each weight) {read_bw / 1e9:.1f} GB/s -> "
-          f"{read_tps:.1f} tok/s; engine batch 1 at "
-          + (f"{100 * eng[1]['tps'] / read_tps:.0f}% of it" if 1 in eng else "n/a"))
-    print()
-    print("Details:")
-    for b in batch_sizes:
-        print(f"  engine batch {b}: ms/step per repeat {[round(x, 1) for x in eng[b]['all_ms']]}, "
-              f"{eng[b]['steps']} timed steps giving {eng[b]['tokens']} tokens")
-        if b in hf:
-            print(f"  transformers batch {b}: ms/step per repeat {[round(x, 1) for x in hf[b]['all_ms']]}; "
-                  f"median generate(1 token) {1e3 * hf[b]['t1']:.0f} ms, generate({N} tokens) "
-                  f"{1e3 * hf[b]['tN']:.0f} ms")
-        if b in agree:
-            print(f"  greedy agreement batch {b}: tokens identical before first divergence, per request "
-                  f"(of {N}): {agree[b]}")
-    for b in breakdown:
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in breakdown[b].items())
-        print(f"  engine step breakdown batch {b} (ms/step): {parts}; jitted step alone on device-resident "
-              f"inputs: {pure[b]:.1f} ms")
-    print(f"  prefill TTFT ms per repeat: engine {[round(1e3 * x) for x in eng_ttfts]}, transformers "
-          f"{[round(1e3 * x) for x in hf_ttfts]}")
-    print()
-    print(f"runtime {runtime:.0f} s")
+    print(f"runtime {time.perf_counter() - t_start:.0f} s")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            flags_line = next(ln for ln in f if ln.startswith("flags"))
+        isa = "AMX" if "amx_bf16" in flags_line else "AVX-512" if "avx512f" in flags_line else "AVX2"
+        return f"{name}, {isa}"
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

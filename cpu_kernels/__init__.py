@@ -59,6 +59,7 @@ _AMX_HEAD_TARGET = "jse_amx_head_log_softmax"
 AMX_TILE_K = 32  # bf16 elements of k per AMX tile row
 AMX_BLOCK = 32  # output columns (and rows) per 2 x 2 block of AMX C tiles
 _DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}
+_ISAS = {"": 0, "avx2": 1, "avx512": 2}  # the skinny kernel's `isa` attribute
 
 
 @jax.tree_util.register_dataclass
@@ -70,25 +71,31 @@ class PackedWeight:
     scales: float32 `[ceil(N / 16) * 16]` for int8 (W ~= panels * scales per
       column), else `[0]`.
     n: N, the real number of output columns (static).
+    isa: the kernel path that runs it (static): "avx512", "avx2", or "" for the best this CPU has
+      (`skinny_isas()`). The two paths sum in a different order.
     """
 
     panels: jax.Array
     scales: jax.Array
     n: int = dataclasses.field(metadata={"static": True})
+    isa: str = dataclasses.field(default="", metadata={"static": True})
 
     @property
     def nbytes(self) -> int:
         return self.panels.nbytes + self.scales.nbytes
 
 
-def pack(w, dtype: str = "float32") -> PackedWeight:
-    """Packs W `[K, N]` (any float array) into panels of `dtype` ("float32", "bfloat16" or "int8").
+def pack(w, dtype: str = "float32", isa: str = "") -> PackedWeight:
+    """Packs W `[K, N]` (any float array) into panels of `dtype` ("float32", "bfloat16" or "int8"), for the
+    kernel path `isa` ("avx512", "avx2" or "": the best this CPU has).
 
     int8 uses symmetric per-column scales: q = round(W / s), s = max|W[:, n]| / 127.
-    Raises ValueError for another dtype or a non-2-D weight.
+    Raises ValueError for another dtype or isa, or a non-2-D weight.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"packed weight dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if isa not in _ISAS:
+        raise ValueError(f"skinny kernel isa must be one of {sorted(_ISAS)}, got {isa!r}")
     w = np.asarray(w, np.float32)
     if w.ndim != 2:
         raise ValueError(f"pack wants a [K, N] weight, got shape {w.shape}")
@@ -100,7 +107,7 @@ def pack(w, dtype: str = "float32") -> PackedWeight:
         scales = np.maximum(np.abs(w).max(axis=0), 1e-30).astype(np.float32) / 127.0
         w = np.clip(np.rint(w / scales), -127, 127)
     panels = w.reshape(K, n_pad // PANEL, PANEL).transpose(1, 0, 2)
-    return PackedWeight(jnp.asarray(np.ascontiguousarray(panels).astype(_DTYPES[dtype])), jnp.asarray(scales), N)
+    return PackedWeight(jnp.asarray(np.ascontiguousarray(panels).astype(_DTYPES[dtype])), jnp.asarray(scales), N, isa)
 
 
 def unpack(p: PackedWeight) -> jax.Array:
@@ -123,7 +130,7 @@ def skinny_matmul(x: jax.Array, p: PackedWeight) -> jax.Array:
     T = x.shape[0]
     scales = p.scales if p.scales.size else jnp.zeros(0, jnp.float32)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((T, p.n), jnp.float32))
-    return call(x.astype(jnp.float32), p.panels, scales)
+    return call(x.astype(jnp.float32), p.panels, scales, isa=np.int32(_ISAS[p.isa]))
 
 
 @jax.tree_util.register_dataclass
@@ -263,7 +270,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel library, loaded and registered once; None (and one warning) if it cannot run here."""
     try:
-        lib = ctypes.CDLL(_library_path())
+        lib = ctypes.CDLL(library_path())
     except OSError as e:
         log.warning("CPU kernels unavailable (%s); using XLA's dot. `pip install -e .` builds them", e)
         return None
@@ -294,14 +301,20 @@ def amx_available() -> bool:
     return lib is not None and lib.jse_amx_available() == 1
 
 
+def skinny_isas() -> list[str]:
+    """The skinny kernel's paths this CPU runs, best first: ["avx512", "avx2"], ["avx2"] or []."""
+    return {"avx512": ["avx512", "avx2"], "avx2": ["avx2"], "none": []}[cpu_features()]
+
+
 def cpu_features() -> str:
     """The instruction set the kernel runs with: "avx512", "avx2" or "none"."""
     lib = _library()
     return "none" if lib is None else {2: "avx512", 1: "avx2"}[lib.jse_cpu_features()]
 
 
-def _library_path() -> str:
-    """Where the install put the library (`setup.py` builds it as the extension `cpu_kernels._native`)."""
+def library_path() -> str:
+    """Where the install put the library (`setup.py` builds it as the extension `cpu_kernels._native`); raises
+    OSError where it did not."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = os.path.join(_HERE, "_native" + suffix)
         if os.path.exists(path):

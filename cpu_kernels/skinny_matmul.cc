@@ -145,18 +145,18 @@ int cpu_features() {
 const int kFeatures = cpu_features();
 
 template <WType W>
-void run_panels(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t elem_bytes, const float* scale,
-                float* y, int64_t N, int64_t p_begin, int64_t p_end) {
+void run_panels(int isa, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t elem_bytes,
+                const float* scale, float* y, int64_t N, int64_t p_begin, int64_t p_end) {
   static const auto t512 = table_512<W>(std::make_integer_sequence<int, 8>{});
   static const auto t256 = table_256<W>(std::make_integer_sequence<int, 6>{});
-  const int64_t rows = kFeatures == 2 ? 8 : 6;
+  const int64_t rows = isa == 2 ? 8 : 6;
   for (int64_t p = p_begin; p < p_end; ++p) {
     const void* panel = w + p * K * P * elem_bytes;
     const int64_t col = p * P, ncols = std::min<int64_t>(P, N - col);
     const float* s = scale ? scale + col : nullptr;
     for (int64_t t = 0; t < T; t += rows) {
       const int64_t r = std::min(rows, T - t);
-      const ChunkFn fn = kFeatures == 2 ? t512[r - 1] : t256[r - 1];
+      const ChunkFn fn = isa == 2 ? t512[r - 1] : t256[r - 1];
       fn(x + t * K, K, panel, K, s, y + t * N + col, N, ncols);
     }
   }
@@ -168,8 +168,13 @@ struct Shared {
 };
 
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
   if (kFeatures == 0) return ffi::Error::InvalidArgument("skinny matmul: this CPU has neither AVX-512F nor AVX2+FMA");
+  // isa 0: the best path this CPU (and JSE_CPU_ISA) allows; 1: AVX2; 2: AVX-512 (chosen by measurement,
+  // `engine.kernels`).
+  if (isa == 0) isa = kFeatures;
+  if (isa < 1 || isa > kFeatures)
+    return ffi::Error::InvalidArgument("skinny matmul: isa must be 0, 1 (AVX2) or 2 (AVX-512, where the CPU has it)");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != P)
     return ffi::Error::InvalidArgument("skinny matmul: want x [T, K], w [N/16, K, 16], y [T, N]");
@@ -184,7 +189,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const float* sp = s8 ? scales.typed_data() : nullptr;
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   float* yp = y->typed_data();
-  void (*run)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t,
+  void (*run)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t,
               int64_t);
   int64_t elem_bytes;
   switch (type) {
@@ -200,7 +205,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   auto shared = std::make_shared<Shared>();
   auto work = [=](Shared& s) {
     for (int64_t g; (g = s.next.fetch_add(1)) < groups;) {
-      run(xp, T, K, wp, elem_bytes, sp, yp, N, g * kGroup, std::min(panels, (g + 1) * kGroup));
+      run(isa, xp, T, K, wp, elem_bytes, sp, yp, N, g * kGroup, std::min(panels, (g + 1) * kGroup));
       s.done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -220,6 +225,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JseSkinnyMatmul, SkinnyMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // w [N/16, K, 16]: f32, bf16 or s8
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/16 * 16] (s8), else [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
-);
+                                  .Attr<int32_t>("isa"));
 
 extern "C" int jse_cpu_features() { return kFeatures; }

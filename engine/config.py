@@ -34,9 +34,10 @@ class EngineConfig:
     # "auto": the Pallas kernel on GPU; on CPU (where Pallas only runs in interpret mode, an emulator
     # several times slower) the native kernel for small steps when it loads, else the jnp reference.
     attention: str = "auto"  # or "pallas" / "native" / "reference"
-    # Products over few tokens (decode, verify, small batches): "auto" is the native CPU kernel
-    # (`cpu_kernels`) on CPU when it builds and loads, else XLA's dot; "xla" always XLA's dot.
-    matmul: str = "auto"  # or "xla"
+    # The kernel family that runs every product (`engine.kernels`): "auto" times those this CPU runs on the
+    # model's shapes (once per machine and model, cached on disk) and takes the fastest; "amx", "avx512",
+    # "avx2" (the native CPU kernels) or "xla" (XLA's dot) forces one.
+    matmul: str = "auto"
     # The weights the CPU kernel streams, for the target and the draft: None keeps the dtype the checkpoint
     # stores (`LoadedModel.stored_dtype`: the bundled bf16 heads), else the model's;
     # "bfloat16" halves the bytes (activations stay in the model's dtype, sums in fp32); "int8"
@@ -50,8 +51,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.matmul not in ("auto", "xla"):
-            raise ValueError(f"matmul must be 'auto' or 'xla', got {self.matmul!r}")
+        if self.matmul not in ("auto", "amx", "avx512", "avx2", "xla"):
+            raise ValueError(f"matmul must be 'auto', 'amx', 'avx512', 'avx2' or 'xla', got {self.matmul!r}")
         for name in ("kernel_dtype", "draft_kernel_dtype"):
             if getattr(self, name) not in (None, "float32", "bfloat16", "int8"):
                 raise ValueError(f"{name} must be None, 'float32', 'bfloat16' or 'int8', got {getattr(self, name)!r}")

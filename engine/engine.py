@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from engine import kernels
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
@@ -86,6 +87,11 @@ class Engine:
         cfg = model.config
         self.model_config = cfg
         self.tokenizer = model.tokenizer
+        # One kernel family for target and proposer (`engine.kernels`); tensor parallel runs use XLA's dot.
+        self.kernel_choice = (kernels.KernelChoice("xla", "tensor parallel") if config.tensor_parallel_size > 1
+                              else kernels.choose(cfg, config.kernel_dtype or model.stored_dtype or cfg.dtype,
+                                                  config.matmul))
+        config = dataclasses.replace(config, matmul=self.kernel_choice.family)
         self.config = config
         self.proposer = _proposer(draft, speculation, cfg, config)
         B = config.block_size

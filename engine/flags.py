@@ -17,9 +17,10 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Weight dtype; default
 flags.DEFINE_enum("attention", "auto", ["auto", "reference", "native", "pallas"],
                   "Paged attention: auto = the Pallas kernel on GPU; on CPU the native kernel for small steps "
                   "(else the jnp reference).")
-flags.DEFINE_enum("matmul", "auto", ["auto", "xla"],
-                  "Products over few tokens: auto = the native CPU kernel on CPU (XLA's dot if it cannot "
-                  "load), xla = always XLA's dot.")
+flags.DEFINE_enum("matmul", "auto", ["auto", "amx", "avx512", "avx2", "xla"],
+                  "The kernels of every product: auto = the fastest of those this CPU runs, timed on the "
+                  "model's shapes (cached per machine and model; engine.kernels); amx, avx512, avx2 (the "
+                  "native CPU kernels) or xla (XLA's dot) forces one.")
 # Speculative decoding.
 flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "ngram", "off"],
                   "Speculative decoding: eagle = an EAGLE head on the target's features proposes, medusa = "

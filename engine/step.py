@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx, struct
 
 import cpu_kernels
+from engine import kernels
 from engine.sampler import sample
 from model import numerics
 from model.config import ModelConfig
@@ -79,25 +80,23 @@ class Weights:
         return jax.tree.unflatten(treedef, leaves)
 
 
-def kernel_layout(config, dtype: str) -> tuple[str, int, int | None] | None:
+def kernel_layout(config, dtype: str) -> tuple[str, int, int | None, str] | None:
     """How a model's products run under `config` (an `EngineConfig`) with kernel weights in `dtype`: the
-    arguments of `Llama.pack_linears` (dtype, skinny kernel rows, AMX passes), or None for XLA's dot (not on
-    CPU, `matmul="xla"`, or the kernel library missing). On an AMX CPU every product runs on AMX (bf16
-    weights: two passes; fp32: three, close to fp32), except int8 weights (a draft kept small), which only
-    the skinny kernel takes."""
-    if config.matmul != "auto" or jax.default_backend() != "cpu" or not cpu_kernels.available():
+    arguments of `Llama.pack_linears` (dtype, skinny kernel rows, AMX passes, skinny path) for the kernel
+    family `config.matmul` names (`engine.kernels`; "auto" here is the instruction-set default, the engine
+    resolves it by measurement first), or None for XLA's dot (not on CPU, "xla", or the kernel library
+    missing)."""
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
         return None
-    if cpu_kernels.amx_available() and dtype != "int8":
-        return dtype, 0, 2 if dtype == "bfloat16" else 3
-    return dtype, SKINNY_MAX_ROWS, None
+    return kernels.layout(kernels.isa_default(dtype) if config.matmul == "auto" else config.matmul, dtype)
 
 
 def build_model(loaded, config, kernel_dtype: str | None = None, mesh: Mesh | None = None):
     """`nnx.split` of the `Llama` (or, with `model.eagle.FC` in its params, the `EagleHead`) for `loaded`
-    (a `LoadedModel`), with the CPU kernels' packed weights when `config.matmul` (an `EngineConfig`) is "auto" on CPU
-    and the kernels load (`kernel_dtype`: their dtype, default `loaded.stored_dtype`, else the model's): AMX
-    copies alone where the CPU has AMX (every product on AMX tiles), else the skinny kernel's. With `mesh` (a
-    target under tensor parallelism) the `Llama`'s weights are split over it and XLA's dot runs the products.
+    (a `LoadedModel`), with the CPU kernels' packed weights for the family `config.matmul` (an `EngineConfig`)
+    names (`kernel_layout`; `kernel_dtype`: their dtype, default `loaded.stored_dtype`, else the model's):
+    AMX copies alone for "amx", else the skinny kernel's. With `mesh` (a target under tensor parallelism)
+    the `Llama`'s weights are split over it and XLA's dot runs the products.
     Returns (graphdef, `Weights` of the state, bytes of the packed copies)."""
     model = (EagleHead(loaded.config, loaded.params) if FC in loaded.params
              else Llama(loaded.config, params=loaded.params, mesh=mesh))

@@ -58,10 +58,11 @@ class EagleHead(nnx.Module):
     def cfg(self) -> ModelConfig:
         return self.body.cfg
 
-    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None) -> int:
+    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None, isa: str = "") -> int:
         """The CPU kernels' packed copies of the layer, the head and `fc` (see `Llama.pack_linears`)."""
-        total = self.body.pack_linears(dtype, max_rows, amx_passes)
-        return total + keep_packed(self, "fc", np.asarray(self.fc[...], np.float32), dtype, amx_passes, source="fc")
+        total = self.body.pack_linears(dtype, max_rows, amx_passes, isa)
+        return total + keep_packed(self, "fc", np.asarray(self.fc[...], np.float32), dtype, amx_passes, source="fc",
+                                   isa=isa)
 
     def __call__(self, token_ids: jax.Array, features: jax.Array, positions: jax.Array, attend: AttendFn,
                  cache: object) -> tuple[jax.Array, object]:

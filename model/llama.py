@@ -114,7 +114,7 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[
 
 
 def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | None, source: str | None = None,
-                transposed: bool = False) -> int:
+                transposed: bool = False, isa: str = "") -> int:
     """Stores `owner`'s weight `name` (`w` `[K, N]`) in AMX tiles with `amx_passes` (`{name}_amx_hi`,
     `{name}_amx_lo`), else in the skinny kernel's panels (`{name}_panels`, `{name}_scales`); returns their bytes.
 
@@ -123,7 +123,8 @@ def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | N
     (`cpu_kernels.unpack`), so a step's logits do not jump between the two products with its token count.
     """
     if amx_passes is None:
-        p = cpu_kernels.pack(w, dtype)
+        p = cpu_kernels.pack(w, dtype, isa)
+        setattr(owner, f"{name}_isa", isa)  # static: which of the skinny kernel's paths runs it
         setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
         setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
         if source is not None and dtype != "float32":
@@ -142,7 +143,8 @@ def packed_weight(owner, name: str, n: int) -> cpu_kernels.AmxWeight | cpu_kerne
     if hasattr(owner, f"{name}_amx_hi"):
         return cpu_kernels.AmxWeight(getattr(owner, f"{name}_amx_hi")[...], getattr(owner, f"{name}_amx_lo")[...], n)
     if hasattr(owner, f"{name}_panels"):
-        return cpu_kernels.PackedWeight(getattr(owner, f"{name}_panels")[...], getattr(owner, f"{name}_scales")[...], n)
+        return cpu_kernels.PackedWeight(getattr(owner, f"{name}_panels")[...], getattr(owner, f"{name}_scales")[...], n,
+                                        getattr(owner, f"{name}_isa"))
     return None
 
 
@@ -318,12 +320,13 @@ class Llama(nnx.Module):
 
     LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 
-    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None) -> int:
+    def pack_linears(self, dtype: str, max_rows: int = 16, amx_passes: int | None = None, isa: str = "") -> int:
         """Keeps a copy of every projection and of the output head in the native CPU kernels' layouts; from
         then every product runs on the AMX kernel when `amx_passes` is given (`cpu_kernels.pack_amx`: 3
         passes, close to fp32; 2, bf16 weights), else products over at most `max_rows` tokens on the skinny
-        kernel (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8") and larger ones on
-        XLA's dot over the same values (`keep_packed`; the choice is made at trace time from static shapes).
+        kernel's path `isa` (`cpu_kernels.pack`, weights in `dtype`: "float32", "bfloat16" or "int8") and
+        larger ones on XLA's dot over the same values (`keep_packed`; the choice is made at trace time from
+        static shapes).
 
         Returns the bytes the packed copies take. Call before `nnx.split`. Raises ValueError on a tensor
         parallel model (the kernels take whole weights on one device).
@@ -334,7 +337,7 @@ class Llama(nnx.Module):
         for lp in self.layers:
             for name in self.LINEARS:
                 total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes,
-                                     source=name)
+                                     source=name, isa=isa)
         # A tied embedding keeps its own values: it is also the input lookup table.
         if self.cfg.head_vocab_size:
             head, source, transposed = np.asarray(self.head[...], np.float32).T, "head", True
@@ -342,7 +345,7 @@ class Llama(nnx.Module):
             head, source, transposed = np.asarray(self.embed[...], np.float32).T, None, False
         else:
             head, source, transposed = np.asarray(self.lm_head[...], np.float32), "lm_head", False
-        total += keep_packed(self, "head", head, dtype, amx_passes, source, transposed)
+        total += keep_packed(self, "head", head, dtype, amx_passes, source, transposed, isa)
         self.skinny_rows = 0 if amx_passes else max_rows
         return total
 

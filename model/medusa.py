@@ -75,7 +75,7 @@ class MedusaHeads(nnx.Module):
     def num_heads(self) -> int:
         return self.w.shape[0]
 
-    def pack_linears(self, dtype: str, max_rows: int, amx_passes: int | None) -> int:
+    def pack_linears(self, dtype: str, max_rows: int, amx_passes: int | None, isa: str = "") -> int:
         """Keeps the heads' projections (as one `[E, K E]` weight) and their readout (`[E, Vh]`) in the native
         CPU kernels' layouts (`engine.step.kernel_layout`'s arguments: AMX tiles with `amx_passes`, else the
         skinny kernel's panels in `dtype`), so `logits` runs its two products there instead of XLA's dot (1.3 ms
@@ -83,8 +83,8 @@ class MedusaHeads(nnx.Module):
         K, E = self.w.shape[:2]
         proj = np.asarray(self.w[...], np.float32).transpose(1, 0, 2).reshape(E, K * E)
         self.kernel_rows = 0 if amx_passes else max_rows
-        return (keep_packed(self, "proj", proj, dtype, amx_passes)
-                + keep_packed(self, "readout", np.asarray(self.head[...], np.float32).T, dtype, amx_passes))
+        return (keep_packed(self, "proj", proj, dtype, amx_passes, isa=isa)
+                + keep_packed(self, "readout", np.asarray(self.head[...], np.float32).T, dtype, amx_passes, isa=isa))
 
     def _product(self, x: jax.Array, name: str, n: int) -> jax.Array:
         """x `[T, in]` @ the packed weight `name` (`n` output columns)."""

@@ -1,4 +1,5 @@
-"""Frees each test module's compiled programs when it ends; one persistent compilation cache for the session.
+"""Frees each test module's compiled programs when it ends; one persistent compilation cache for the session;
+the instruction-set default kernels.
 
 The suite runs in two pytest-xdist workers, a test file to each (`--dist loadfile`, `pyproject.toml`): on
 a 2-core machine much of a test is one busy core (compiling, scheduling on the host), so two workers took
@@ -19,6 +20,11 @@ import shutil
 import tempfile
 
 import jax
+
+# Engines take the instruction-set default kernels, as before kernel timing (`engine.kernels`): a suite's
+# exact-token assertions must not depend on which kernel a noisy machine timed faster. `test_kernels.py`
+# turns timing back on.
+os.environ["JSE_MEASURE_KERNELS"] = "0"
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # a pytest-xdist worker: the controller's cache, so a program one worker compiled loads in the other
