@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from engine.sampler import sample
-from engine.step import KVPool, StepBatch, paged_attend, token_logprobs
+from engine.step import KVPool, StepBatch, paged_attend, to_device, token_logprobs
 from engine.tree_verify import move_path_kv, verify_tree_coupled
 from engine.verify import sample_draft, verify, verify_deterministic
 
@@ -78,7 +78,7 @@ class SpecBatch:
 
     @classmethod
     def from_packed(cls, spec) -> SpecBatch:
-        return cls(**jax.device_put({f: getattr(spec, f) for f in cls.__dataclass_fields__}))
+        return to_device(cls, spec)
 
 
 def _single_token_batch(batch: StepBatch, tokens: jax.Array, positions: jax.Array, slots: jax.Array,

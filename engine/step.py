@@ -171,7 +171,33 @@ class StepBatch:
 
     @classmethod
     def from_packed(cls, packed) -> "StepBatch":
-        return cls(**jax.device_put({f: getattr(packed, f) for f in cls.__dataclass_fields__}))
+        return to_device(cls, packed)
+
+
+def to_device(cls, host):
+    """`cls` (a `struct.dataclass` of int32, uint32, float32 and bool arrays) holding `host`'s fields of the
+    same names, copied to the device as one int32 buffer and split there by a small program per layout:
+    ~30 us a step, where a copy per field took ~0.5 ms at batch 1 on CPU."""
+    arrays = [np.asarray(getattr(host, name)) for name in cls.__dataclass_fields__]
+    layout = tuple((name, a.shape, a.dtype.str) for name, a in zip(cls.__dataclass_fields__, arrays))
+    flat = np.concatenate([(a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32)).ravel() for a in arrays])
+    return _splitter(cls, layout)(flat)
+
+
+@functools.cache
+def _splitter(cls, layout: tuple[tuple[str, tuple[int, ...], str], ...]):
+    """The jitted inverse of `to_device`'s packing for one layout ((name, shape, dtype) per field)."""
+    @jax.jit
+    def split(flat: jax.Array):
+        fields, start = {}, 0
+        for name, shape, dtype in layout:
+            size = int(np.prod(shape))
+            x, start = flat[start:start + size].reshape(shape), start + size
+            dtype = np.dtype(dtype)
+            fields[name] = (x != 0 if dtype == np.bool_ else x if dtype == np.int32
+                            else jax.lax.bitcast_convert_type(x, dtype))
+        return cls(**fields)
+    return split
 
 
 @struct.dataclass
