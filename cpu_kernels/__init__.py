@@ -30,8 +30,11 @@ the algorithm.
 The library is compiled by the install (`pip install -e .`, see `setup.py`).
 When it is missing or cannot load, or the CPU has neither AVX-512F nor
 AVX2+FMA, `available()` is False, one warning is logged, and callers keep
-XLA's dot. `JSE_CPU_ISA=avx2` in the environment keeps an AVX-512 CPU on the
-AVX2 path and `JSE_CPU_ISA=avx512` off AMX (read once, when the library loads).
+XLA's dot. A `PackedWeight`'s `isa` picks the skinny kernel's AVX-512 or AVX2
+path per product (`skinny_isas()` lists those this CPU runs; the engine times
+them, `engine.kernels`). `JSE_CPU_ISA=avx2` in the environment keeps an
+AVX-512 CPU on the AVX2 paths of every kernel and `JSE_CPU_ISA=avx512` off AMX
+(read once, when the library loads).
 """
 
 from __future__ import annotations
