@@ -186,7 +186,7 @@ def test_real_model_greedy_output_equal_over_three_devices():
                       tensor_parallel_size=tp, max_num_seqs=8, num_blocks=256)
             if spec:
                 llm.engine.proposer.config.min_acceptance = 0.0
-            outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+            outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
             out[f"{spec} {tp}"] = [o.token_ids for o in outs]
             out[f"{spec} {tp} accepted"] = sum(o.num_accepted_tokens for o in outs)
         print(json.dumps(out))
