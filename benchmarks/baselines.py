@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import os
 
+from absl import flags
+
+from benchmarks import prompts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+flags.DEFINE_string("prompts_dir", prompts.default_dir(),
+                    "Folder of the prompt files (<domain>.jsonl), built by `python -m benchmarks.prompts`.")
 
 
-def prompts_dir() -> str | None:
-    """`shared/data/prompts` beside the repository or inside it."""
-    for base in (os.path.dirname(ROOT), ROOT):
-        path = os.path.join(base, "shared", "data", "prompts")
-        if os.path.isdir(path):
-            return path
-    return None
+def prompts_dir() -> str:
+    """--prompts_dir (before flags are parsed: its default), checked to hold every domain's file.
+    Raises FileNotFoundError, saying how to build them, if it does not."""
+    return prompts.require(flags.FLAGS.prompts_dir if flags.FLAGS.is_parsed() else prompts.default_dir())
+
+
+def read_prompts(domain: str) -> list[dict]:
+    """The rows of `<prompts_dir>/<domain>.jsonl` in file order."""
+    with open(os.path.join(prompts_dir(), f"{domain}.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def hf_setup(gguf_path: str, dtype: str = "float32"):

@@ -48,7 +48,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.baselines import hf_batch, hf_setup, prompts_dir  # noqa: E402
+from benchmarks.baselines import hf_batch, hf_setup, read_prompts  # noqa: E402
 
 FLAGS = flags.FLAGS
 PROGRAMS = ["engine", "engine-bf16", "llama.cpp-f32", "llama.cpp-f16", "transformers"]
@@ -63,34 +63,13 @@ flags.DEFINE_integer("copy_mb", 512, "Size of each array in the bandwidth measur
 flags.DEFINE_string("worker", None, "Internal: run one program's measurement and print its JSON result.")
 flags.DEFINE_string("inputs", None, "Internal: the JSON file of prompt token ids a worker reads.")
 
-FALLBACK_PROMPTS = [
-    "Explain why the sky is blue in a few sentences.",
-    "Write a short poem about the sea.",
-    "What are three tips for staying productive when working from home?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-    "Give me a recipe for a simple tomato soup.",
-    "What is the difference between a virus and a bacterium?",
-    "Describe a sunrise over the mountains.",
-]
-FALLBACK_LONG = ("The history of computing spans centuries, from the abacus and mechanical calculators "
-                 "to electronic computers, transistors, integrated circuits and networks. ") * 64
 log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
 
 
-def read_jsonl(name: str, n: int) -> list[str] | None:
-    d = prompts_dir()
-    path = os.path.join(d, name) if d else None
-    if not path or not os.path.isfile(path):
-        return None
-    out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["prompt"])
-            if len(out) == n:
-                break
-    return out if len(out) == n else None
+def read_texts(domain: str, n: int) -> list[str]:
+    rows = read_prompts(domain)
+    assert len(rows) >= n, f"{domain} has {len(rows)} prompts, {n} wanted"
+    return [r["prompt"] for r in rows[:n]]
 
 
 def copy_bandwidth(mib: int) -> float:
@@ -264,12 +243,11 @@ def make_inputs(path: str) -> dict:
     from engine.inputs import encode_prompt
 
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    chat = read_jsonl("chat.jsonl", max(batch_sizes))
-    source = "chat.jsonl" if chat else "built-in list"
-    chat = chat or [FALLBACK_PROMPTS[i % len(FALLBACK_PROMPTS)] for i in range(max(batch_sizes))]
+    chat = read_texts("chat", max(batch_sizes))
+    source = "chat.jsonl"
     loaded = load_model()
     tokenizer = loaded.tokenizer
-    long_ids = tokenizer.encode((read_jsonl("long_context.jsonl", 1) or [FALLBACK_LONG])[0])[:FLAGS.prefill_len]
+    long_ids = tokenizer.encode(read_texts("long_context", 1)[0])[:FLAGS.prefill_len]
     long_ids = (long_ids * (FLAGS.prefill_len // len(long_ids) + 1))[:FLAGS.prefill_len]
     inputs = {"prompts": [encode_prompt(tokenizer, [{"role": "user", "content": p}]) for p in chat],
               "long": long_ids, "batch_sizes": batch_sizes, "decode_tokens": FLAGS.decode_tokens,

@@ -34,7 +34,7 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_list("domains", ["chat", "code", "math", "creative", "summarization"],
-                  "Prompt files in ../shared/data/prompts (their held-out split).")
+                  "Prompt domains of --prompts_dir (their held-out split).")
 flags.DEFINE_integer("max_tokens", 128, "Greedy answer tokens per prompt.")
 flags.DEFINE_list("widths", ["1", "2", "4", "8", "16"], "Tokens a tree expands per node (w).")
 flags.DEFINE_integer("depth", 4, "Levels of the oracle trees (head passes).", lower_bound=1)
@@ -83,8 +83,6 @@ def main(argv):
         return jnp.stack(out)
 
     llm = LLM(target, speculative=None, max_num_seqs=8)
-    if prompts_dir() is None:
-        raise FileNotFoundError("no shared/data/prompts beside or inside the repository")
     rows = split_prompts(prompts_dir())
     print(f"# EAGLE head {name}: oracle trees ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, "
           f"greedy, {FLAGS.max_tokens} tokens/answer, held-out prompts)\n")

@@ -9,7 +9,7 @@ What is measured:
   each sending a request, reading its stream to the end, and sending the
   next, until `--duration_s` has passed; requests in flight then run to
   completion. Prompts are the real chat prompts of
-  `shared/data/prompts/chat.jsonl` (built-in ones if absent), sent as chat
+  `--prompts_dir`'s chat.jsonl (`python -m benchmarks.prompts`), sent as chat
   messages and cycled in order. Sampling: temperature 0.7, top_p 0.9, seed =
   the request's index, exactly `--max_tokens` tokens (ignore_eos) so both
   sides generate the same amount.
@@ -51,7 +51,6 @@ import asyncio
 import dataclasses
 import datetime
 import itertools
-import json
 import os
 import platform
 import sys
@@ -82,28 +81,10 @@ flags.DEFINE_bool("precompile", False, "Compile every step bucket before timing.
 flags.DEFINE_bool("skip_offline", False, "Skip the offline LLM.generate comparison.")
 flags.DEFINE_integer("repeats", 1, "gRPC runs, each followed by its offline run.")
 
-FALLBACK_PROMPTS = [
-    "Explain why the sky is blue in a few sentences.",
-    "Write a short poem about the sea.",
-    "What are three tips for staying productive when working from home?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How does a refrigerator keep food cold?",
-    "Give me a recipe for a simple tomato soup.",
-    "What is the difference between a virus and a bacterium?",
-    "Describe a sunrise over the mountains.",
-]
-
-
 def chat_prompts() -> list[list[dict]]:
-    """The prompts of shared/data/prompts/chat.jsonl (beside or inside the repository) as user messages."""
-    texts = None
-    for base in (os.path.dirname(ROOT), ROOT):
-        path = os.path.join(base, "shared", "data", "prompts", "chat.jsonl")
-        if os.path.isfile(path):
-            with open(path) as f:
-                texts = [json.loads(line)["prompt"] for line in f if line.strip()]
-            break
-    return [[{"role": "user", "content": t}] for t in texts or FALLBACK_PROMPTS]
+    """The prompts of --prompts_dir's chat.jsonl as user messages."""
+    from benchmarks.baselines import read_prompts
+    return [[{"role": "user", "content": r["prompt"]}] for r in read_prompts("chat")]
 
 
 def sampling(index: int, max_tokens: int) -> dict:

@@ -27,7 +27,6 @@ clipped to [1, --max_output] (seed --seed).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -51,12 +50,9 @@ flags.DEFINE_integer("ttft_requests", 8, "Timed requests per TTFT setting.")
 flags.DEFINE_integer("host_running", 256, "Running requests in the host-overhead measurement.")
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 
-DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
-
-
-def _read(name):
-    with open(os.path.join(DATA, name)) as f:
-        return [json.loads(line)["prompt"] for line in f]
+def _read(domain):
+    from benchmarks.baselines import read_prompts
+    return [r["prompt"] for r in read_prompts(domain)]
 
 
 def _lengths(n, rng):
@@ -131,8 +127,8 @@ def ttft(model, rng):
     from engine import LLM, SamplingParams
 
     tok = model.tokenizer
-    system = tok.encode(" ".join(_read("long_context.jsonl")[:3]))[:512]
-    questions = [tok.encode(f"\n\nQuestion: {q}\nAnswer:") for q in _read("chat.jsonl")[:FLAGS.ttft_requests + 1]]
+    system = tok.encode(" ".join(_read("long_context")[:3]))[:512]
+    questions = [tok.encode(f"\n\nQuestion: {q}\nAnswer:") for q in _read("chat")[:FLAGS.ttft_requests + 1]]
     results = {}
     for cached in (False, True):
         llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=1024, enable_prefix_caching=cached)
@@ -191,7 +187,7 @@ def main(argv):
     model = load_model()
     rng = np.random.default_rng(FLAGS.seed)
     prompts = [model.tokenizer.encode(model.tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True)) for p in _read("chat.jsonl")]
+        [{"role": "user", "content": p}], add_generation_prompt=True)) for p in _read("chat")]
     print(f"# Scheduler benchmarks ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, real model fp32)")
     for part in FLAGS.parts:
         if part == "batching":

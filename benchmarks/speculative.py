@@ -41,7 +41,6 @@ instead, to tell how much of a head's acceptance is fitting its training prompts
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -54,7 +53,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt files in ../shared/data/prompts.")
+flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt domains of --prompts_dir.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
 flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted); empty: only the default settings.")
 flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one "
@@ -86,15 +85,15 @@ flags.DEFINE_bool("precompile", True, "Compile every step shape a cell's draft-l
 flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft of these target layers "
                   "(checkpoints.draft.early_exit_draft) instead of --draft.")
 
-DATA = os.path.join(ROOT, "..", "shared", "data", "prompts")
 
 
 def _prompts(tok, domain, n, offset=0):
     """n prompts of the domain's --split (held out: never trained on, training/data.py), from --skip + offset."""
     from training.data import EVAL_PERCENT, prompt_hash
 
-    with open(os.path.join(DATA, f"{domain}.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    from benchmarks.baselines import read_prompts
+
+    rows = read_prompts(domain)
     held_out = FLAGS.split == "held_out"
     split = [r["prompt"] for r in rows if (prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)) == held_out]
     texts = split[FLAGS.skip + offset:FLAGS.skip + offset + n]

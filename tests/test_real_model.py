@@ -1,6 +1,5 @@
 """End to end on the real SmolLM2-135M-Instruct: the command line, the context limit, the Pallas kernel."""
 
-import json
 import os
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import sys
 import pytest
 
 from engine import LLM, InvalidRequestError, SamplingParams
+from tests.prompts import chat_messages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,17 +51,7 @@ def plain_tokens():
 
 
 def _chat_prompts(n):
-    here = [os.path.join(ROOT, "shared", "data", "prompts", "chat.jsonl"),
-            os.path.join(ROOT, "..", "shared", "data", "prompts", "chat.jsonl")]
-    for path in here:
-        if os.path.exists(path):
-            with open(path) as f:
-                return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in f][:n]
-    base = ("What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
-            "List three prime numbers.", "What is 12 times 7?", "Name a famous painter.",
-            "How do airplanes fly?", "Give me a synonym for happy.")
-    return [[{"role": "user", "content": base[i % len(base)] + (f" (question {i})" if i >= len(base) else "")}]
-            for i in range(n)]
+    return chat_messages(n)
 
 
 def test_prompt_over_the_context_limit_is_rejected(llm):

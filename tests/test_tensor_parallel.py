@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from benchmarks.baselines import prompts_dir
 from engine import LLM
 from engine.plan import memory_plan
 from engine.step import KVPool, StepBatch, make_step
@@ -26,6 +25,7 @@ from model.config import get_preset
 from model.llama import TP_AXIS, abstract_model, check_tensor_parallel
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 from scheduler.request import SamplingParams
+from tests.prompts import prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,11 +160,7 @@ def test_splits_that_do_not_divide_are_refused():
 
 
 def _chat_prompts(n: int) -> list[str]:
-    path = prompts_dir()
-    if path is not None:
-        with open(os.path.join(path, "chat.jsonl")) as f:
-            return [json.loads(line)["prompt"] for line in f][:n]
-    return [f"Question {i}: name a prime number above {10 * i}, and say why it is prime." for i in range(n)]
+    return prompts("chat")[:n]
 
 
 def test_real_model_greedy_output_equal_over_three_devices():

@@ -1,6 +1,5 @@
 """The SmolLM2 tokenizer against transformers' GGUF tokenizer, and the byte-level tokenizer."""
 
-import json
 import os
 import re
 import unicodedata
@@ -13,9 +12,8 @@ import tokenizers  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 
 from checkpoints import Tokenizer, default_gguf_path, load_model  # noqa: E402
+from tests.prompts import prompts  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPT_DIRS = [os.path.join(REPO, "shared", "data", "prompts"), os.path.join(REPO, "..", "shared", "data", "prompts")]
 
 EXTRA = ["héllo wörld — naïve café, 日本語のテキスト, Россия, مرحبا 🙂👍🏽 x²³ ½",
          "In 2014, 12,345 apples cost $3.50 (about 1e-3 each).",
@@ -25,20 +23,7 @@ EXTRA = ["héllo wörld — naïve café, 日本語のテキスト, Россия
 
 
 def _prompts() -> list[str]:
-    folder = next((d for d in PROMPT_DIRS if os.path.isdir(d)), None)
-    texts = []
-    if folder is None:  # a clean clone without the shared data: built-in texts only
-        return [
-            "def add(a, b):\n    \"\"\"Return a + b.\n    >>> add(2, 3)\n    5\n    \"\"\"\n    return a + b\n",
-            "Janet has 3 apples and buys 12 more at $0.25 each. How many apples does she have?",
-            "Summarize: The council voted 7-2 on Tuesday to approve the new budget of 1.2 million.",
-            "Write a short poem about autumn leaves falling in the wind.",
-        ] + EXTRA
-    for name in ("chat", "code", "math", "summarization", "creative", "long_context"):
-        with open(os.path.join(folder, f"{name}.jsonl")) as f:
-            rows = [json.loads(line) for line in f][:8]
-        texts += [r["prompt"] for r in rows] + [r["reference"] for r in rows if isinstance(r.get("reference"), str)]
-    return texts + EXTRA
+    return prompts() + EXTRA
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,13 @@ def prompt_hash(text: str) -> int:
 def split_prompts(prompts_dir: str, synthetic: str | None = None) -> list[dict]:
     """Every used prompt as {domain, id, prompt, split}, deterministic (no randomness but id hashes).
 
+    Raises FileNotFoundError, saying how to build the files, if `prompts_dir` lacks one.
     Within a domain, prompts are ordered by id hash; caps take the first ones. The rows of the
     `synthetic` file (`synthesize_chat_prompts`), if given, follow as domain `synthetic_chat`, all train.
     """
+    from benchmarks.prompts import require
+
+    require(prompts_dir)
     rows = []
     for domain, percent in EVAL_PERCENT.items():
         with open(os.path.join(prompts_dir, f"{domain}.jsonl")) as f:
