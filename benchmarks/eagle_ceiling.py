@@ -31,6 +31,8 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks.baselines import prompts_dir  # noqa: E402  (defines --prompts_dir)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("eagle_head", None, "EAGLE head: a directory or a bundled name (default: the model's own).")
 flags.DEFINE_list("domains", ["chat", "code", "math", "creative", "summarization"],
@@ -48,7 +50,6 @@ def main(argv):
     import jax.numpy as jnp
     from flax import nnx
 
-    from benchmarks.baselines import prompts_dir
     from checkpoints import load_model
     from checkpoints.draft import DEFAULT_EAGLE, load_draft
     from engine import LLM, SamplingParams

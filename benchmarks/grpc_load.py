@@ -68,6 +68,7 @@ from absl import app, flags, logging
 
 from engine.flags import FLAGS, llm_from_flags  # --model and the engine limits, for the server and offline
 from engine.serving.client import AsyncClient
+from benchmarks.baselines import read_prompts  # defines --prompts_dir
 
 flags.DEFINE_integer("num_clients", 64, "Concurrent streaming clients.")
 flags.DEFINE_float("duration_s", 60.0, "Seconds during which clients send new requests.")
@@ -83,7 +84,6 @@ flags.DEFINE_integer("repeats", 1, "gRPC runs, each followed by its offline run.
 
 def chat_prompts() -> list[list[dict]]:
     """The prompts of --prompts_dir's chat.jsonl as user messages."""
-    from benchmarks.baselines import read_prompts
     return [[{"role": "user", "content": r["prompt"]}] for r in read_prompts("chat")]
 
 

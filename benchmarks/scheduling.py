@@ -39,6 +39,8 @@ if ROOT not in sys.path:
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from benchmarks.baselines import read_prompts  # noqa: E402  (defines --prompts_dir)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("parts", ["batching", "memory", "ttft", "host"], "Which tables to print.")
 flags.DEFINE_integer("num_requests", 48, "Requests in the batching comparison.")
@@ -51,7 +53,6 @@ flags.DEFINE_integer("host_running", 256, "Running requests in the host-overhead
 flags.DEFINE_integer("seed", 0, "Workload seed.")
 
 def _read(domain):
-    from benchmarks.baselines import read_prompts
     return [r["prompt"] for r in read_prompts(domain)]
 
 

@@ -2,11 +2,14 @@
 heads, a draft model, n-gram lookup (chains, and token trees: "ngram-tree", "medusa-tree", "eagle-tree" =
 EAGLE-2 dynamic trees).
 
-  python benchmarks/speculative.py [--domains=chat,code,math] [--batch_sizes=1,4,16] [--ks=2,4,6]
-      [--max_tokens=64] [--proposers=eagle,draft,ngram,ngram-tree,eagle-tree] [--tree_nodes=12]
-      [--tree_branching=4] [--temperature=0]
+  python benchmarks/speculative.py                      # the default-settings table: off and auto, each in
+                                                        # its own process, every domain, batch 1, 4 and 16
+  python benchmarks/speculative.py --configs=off,auto,ngram --domains=chat --batch_sizes=1 --repeats=5
+  python benchmarks/speculative.py --repeats=0 --ks=2,4,6 --proposers=eagle,ngram,eagle-tree [--tree_nodes=12]
+      [--tree_branching=4]                              # each proposer at fixed K, in one process
+  (any of them: [--max_tokens=64] [--temperature=0] [--prompts_dir=...]; prompts: python -m benchmarks.prompts)
 
-For each domain, proposer, batch size B and K: B real prompts (chat template, greedy or
+With --ks, for each domain, proposer, batch size B and K: B real prompts (chat template, greedy or
 seeded sampling at --temperature, `ignore_eos`) decode together. Decode steps are timed from the second step
 after prefill while all B requests run (so no compilation and no shrinking
 batch is timed): tok/s = tokens emitted in the timed steps / their time.
@@ -27,12 +30,15 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
 * predicted speed-up (1 + K alpha) / (1 + K c) (the approximation in the issue;
   Leviathan et al. 2023 §3.4 give the exact expected tokens
   (1 - alpha^(K+1)) / (1 - alpha)), next to the measured tok/s ratio.
-* default settings: one engine per proposer with the engine's defaults (K = 4,
-  K adapted per request class, the cost gate choosing per step the draft
-  lengths with the most expected tokens per measured second), kept across
-  the whole run with each domain as its request class, against no
-  speculation at each batch size (same timed steps; `--repeats` runs of each,
-  alternating, medians compared).
+* default settings (`--configs`, by default "off" and "auto": what `LLM()`
+  does): each configuration runs in a process of its own, one engine kept
+  across all cells with each domain as its request class (K adapted per
+  class, the cost gate choosing the draft lengths per step), as a server
+  would. Per cell: two untimed passes (compilation, and the gate learning the
+  class), then the timed one, which asserts it compiled nothing. The
+  processes alternate over `--repeats` rounds, the order rotating; the table
+  gives medians (min-max) of tok/s and the ratio to "off" per round, and
+  asserts greedy outputs equal to "off"'s.
 
 Prompts are the first ones of each file's held-out split, which distillation
 never trains on (`training/data.py`); `--split=train` takes the training split's
@@ -52,12 +58,19 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
+from benchmarks.baselines import read_prompts  # noqa: E402  (defines --prompts_dir)
+
 FLAGS = flags.FLAGS
-flags.DEFINE_list("domains", ["chat", "code", "math"], "Prompt domains of --prompts_dir.")
+flags.DEFINE_list("domains", ["chat", "code", "math", "creative", "summarization", "long_context"],
+                  "Prompt domains of --prompts_dir.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Requests decoding together.")
-flags.DEFINE_list("ks", ["2", "4", "6"], "Draft lengths K (fixed, never adapted); empty: only the default settings.")
-flags.DEFINE_integer("repeats", 5, "Runs of the default-settings engine per cell, alternating with the plain one "
-                     "(0: no default-settings rows).")
+flags.DEFINE_list("ks", [], "Draft lengths K of a table of each --proposers at fixed K (never adapted), in one "
+                  "process; empty: only the default-settings table.")
+flags.DEFINE_integer("repeats", 3, "Rounds of the default-settings table, each configuration in a process of "
+                     "its own, alternating (0: no default-settings table).")
+flags.DEFINE_list("configs", ["off", "auto"], "Default-settings table: \"off\", \"auto\" (LLM's default) or a "
+                  "--proposers name with the engine's defaults; the first is the baseline of the ratios.")
+flags.DEFINE_string("worker", None, "Internal: run one --configs entry over every cell, print its figures.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many prompts of the split at the start of each file.")
 flags.DEFINE_enum("split", "held_out", ["held_out", "train"], "Which split of each file's prompts (training/data.py).")
@@ -91,8 +104,6 @@ def _prompts(tok, domain, n, offset=0):
     """n prompts of the domain's --split (held out: never trained on, training/data.py), from --skip + offset."""
     from training.data import EVAL_PERCENT, prompt_hash
 
-    from benchmarks.baselines import read_prompts
-
     rows = read_prompts(domain)
     held_out = FLAGS.split == "held_out"
     split = [r["prompt"] for r in rows if (prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)) == held_out]
@@ -103,7 +114,7 @@ def _prompts(tok, domain, n, offset=0):
             for t in texts]
 
 
-def _decode(llm, prompts, request_class="default"):
+def _decode(llm, prompts, request_class="default", timed=False):
     """Returns (tokens/s, ms per step, tokens per step, acceptance rate or None) over the timed steps."""
     from engine import SamplingParams
 
@@ -127,6 +138,9 @@ def _decode(llm, prompts, request_class="default"):
     ids = [engine.add_request(p, SamplingParams(temperature=FLAGS.temperature, seed=i, max_tokens=FLAGS.max_tokens,
                                                 ignore_eos=True),
                               request_class=request_class).request_id for i, p in enumerate(prompts)]
+    from engine.compilation import compilation_count
+
+    compiled = compilation_count()
     st = engine.stats
     before = (st.num_verifies, st.num_accepted_tokens, list(st.drafted_at), list(st.accepted_at))
     seconds0 = dict(st.seconds)
@@ -146,6 +160,8 @@ def _decode(llm, prompts, request_class="default"):
             outs[o.request_id] = o
     if not steps:
         raise RuntimeError(f"no step ran with all {len(prompts)} requests decoding (too few KV blocks?)")
+    if timed and compilation_count() != compiled:
+        raise AssertionError(f"a timed run compiled {compilation_count() - compiled} programs")
     drafted = sum(outs[i].num_draft_tokens for i in ids)
     accepted = sum(outs[i].num_accepted_tokens for i in ids)
     verifies = st.num_verifies - before[0]
@@ -199,10 +215,111 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
     return out
 
 
+def _engine_for(config: str, target=None, heads=None):
+    """The LLM of a --configs entry: "off", "auto" (the defaults of `LLM()`) or a --proposers name."""
+    from checkpoints import DEFAULT_MODEL
+    from engine import LLM
+
+    limits = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kernel_dtype": FLAGS.kernel_dtype}
+    if config in ("off", "auto"):
+        return LLM(DEFAULT_MODEL, speculative=None if config == "off" else "auto", **limits)
+    kind = config.removesuffix("-tree")
+    if kind != config:
+        limits.update(num_tree_nodes=FLAGS.tree_nodes, tree_branching=FLAGS.tree_branching)
+    return LLM(target or DEFAULT_MODEL, speculative=kind, draft_model=(heads or {}).get(kind),
+               draft_kernel_dtype=FLAGS.draft_kernel_dtype, **limits)
+
+
+def _worker(config: str) -> dict:
+    """One configuration over every (domain, batch) cell: its timed figures and outputs."""
+    from engine.compilation import compilation_count
+
+    llm = _engine_for(config)
+    out = {}
+    for domain in FLAGS.domains:
+        for b in (int(b) for b in FLAGS.batch_sizes):
+            prompts = _prompts(llm.tokenizer, domain, b)
+            # Untimed passes until one compiles nothing (at least two: the gate learns the class; the shapes
+            # its choices take, prefix-cache hits included, compile), then the timed one.
+            for i in range(6):
+                compiled = compilation_count()
+                _decode(llm, prompts, request_class=domain)
+                if i and compilation_count() == compiled:
+                    break
+            tps, _, per_step, alpha, tokens, _, _, _ = _decode(llm, prompts, request_class=domain, timed=True)
+            out[f"{domain} {b}"] = {"tps": tps, "per_step": per_step, "alpha": alpha, "tokens": tokens}
+            print(f"{config} {domain} {b}: {tps:.1f} tok/s, {per_step:.2f} tokens/step", file=sys.stderr, flush=True)
+    return out
+
+
+def _spawn(config: str) -> dict:
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--worker={config}"],
+                          capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _spread(values: list[float], spec: str) -> str:
+    med = statistics.median(values)
+    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
+
+
+def _defaults_table() -> None:
+    """The default-settings table: every --configs entry in a process of its own, alternating over rounds."""
+    configs, runs = FLAGS.configs, {c: [] for c in FLAGS.configs}
+    for r in range(FLAGS.repeats):
+        for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+            t = time.perf_counter()
+            runs[config].append(_spawn(config))
+            print(f"round {r + 1}: {config} took {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    base = configs[0]
+    print(f"\n## Default settings, each configuration in its own process ({FLAGS.repeats} rounds, median (min-max); "
+          f"ratio: to {base} in the same round)\n")
+    print("| domain | batch | " + " | ".join(f"{c} tok/s" for c in configs) + " | "
+          + " | ".join(f"{c} / {base}" for c in configs[1:]) + " | "
+          + " | ".join(f"{c} tokens/step" for c in configs[1:]) + " |")
+    print("|---|---:|" + "---:|" * (3 * len(configs) - 2))
+    for domain in FLAGS.domains:
+        for b in FLAGS.batch_sizes:
+            cell = f"{domain} {b}"
+            if FLAGS.temperature == 0:
+                for c in configs[1:]:
+                    for got, want in zip(runs[c], runs[base]):
+                        _check_greedy(got[cell]["tokens"], want[cell]["tokens"])
+            tps = [_spread([run[cell]["tps"] for run in runs[c]], ".1f") for c in configs]
+            ratios = [_spread([run[cell]["tps"] / ref[cell]["tps"] for run, ref in zip(runs[c], runs[base])], ".2f")
+                      for c in configs[1:]]
+            steps = [f"{statistics.median(run[cell]['per_step'] for run in runs[c]):.2f}" for c in configs[1:]]
+            print(f"| {domain} | {b} | " + " | ".join(tps) + " | " + " | ".join(ratios) + " | " + " | ".join(steps)
+                  + " |", flush=True)
+
+
 def main(argv):
     del argv
     import jax
 
+    if FLAGS.worker:
+        import json
+        print("RESULT " + json.dumps(_worker(FLAGS.worker)), flush=True)
+        return
+
+    ks = [int(k) for k in FLAGS.ks]
+    mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
+    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, {os.cpu_count()} "
+          f"CPUs, fp32, {mode}, {FLAGS.max_tokens} tokens/request)\n")
+    if ks:
+        _fixed_k_table(ks)
+    if FLAGS.repeats:
+        _defaults_table()
+
+
+def _fixed_k_table(ks: list[int]) -> None:
+    """Each --proposers at each fixed K (never adapted) against no speculation, in this process."""
     from checkpoints import load_model
     from checkpoints.draft import DEFAULT_DRAFT, DEFAULT_EAGLE, DEFAULT_MEDUSA, early_exit_draft, load_draft
     from engine import LLM
@@ -217,10 +334,6 @@ def main(argv):
              if any("eagle" in p for p in FLAGS.proposers) else None,
              "medusa": load_draft(DEFAULT_MEDUSA, target) if any("medusa" in p for p in FLAGS.proposers) else None}
     batch_sizes = [int(b) for b in FLAGS.batch_sizes]
-    ks = [int(k) for k in FLAGS.ks]
-    mode = "greedy" if FLAGS.temperature == 0 else f"temperature {FLAGS.temperature}"
-    print(f"# Speculative decoding ({time.strftime('%Y-%m-%d')}, {jax.devices()[0].device_kind}, {os.cpu_count()} "
-          f"CPUs, fp32, {mode}, {FLAGS.max_tokens} tokens/request)\n")
     plain_llm = LLM(target, speculative=None, max_num_seqs=16, max_num_batched_tokens=512,
                     kernel_dtype=FLAGS.kernel_dtype)
     costs = _window_costs(plain_llm)
@@ -233,23 +346,16 @@ def main(argv):
     print("| domain | proposer | batch | K | alpha | acceptance length | per position | tokens/step | c | host draft share "
           "| ms/step (spec / plain) | tok/s (spec / plain) | speed-up measured | (1+K alpha)/(1+K c) |")
     print("|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-
-    def with_proposer(name, **kw):
-        kind = name.removesuffix("-tree")
-        if kind != name:
-            kw.update(num_tree_nodes=FLAGS.tree_nodes, tree_branching=FLAGS.tree_branching)
-        return LLM(target, speculative=kind, draft_model=heads.get(kind), kernel_dtype=FLAGS.kernel_dtype,
-                   draft_kernel_dtype=FLAGS.draft_kernel_dtype, **kw)
-
-    spec_llms = {(name, k): with_proposer(name, num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512)
-                 for name in FLAGS.proposers for k in ks}
+    spec_llms = {}
+    for name in FLAGS.proposers:
+        for k in ks:
+            kind = name.removesuffix("-tree")
+            kw = {"num_tree_nodes": FLAGS.tree_nodes, "tree_branching": FLAGS.tree_branching} if kind != name else {}
+            spec_llms[(name, k)] = LLM(target, speculative=kind, draft_model=heads.get(kind),
+                                       kernel_dtype=FLAGS.kernel_dtype, draft_kernel_dtype=FLAGS.draft_kernel_dtype,
+                                       num_speculative_tokens=k, max_num_seqs=16, max_num_batched_tokens=512, **kw)
     for llm in spec_llms.values():
         llm.engine.proposer.config.min_acceptance = 0.0  # measure raw acceptance: never adapt
-    # The default engines (K = 4, adaptive K per class and the cost gate), one per proposer, kept for the
-    # whole run so that each learns its step costs and each domain's acceptance as a server would.
-    defaults = {name: with_proposer(name, max_num_seqs=16, max_num_batched_tokens=512)
-                for name in FLAGS.proposers if FLAGS.repeats}
-    adaptive = []
     for domain in FLAGS.domains:
         for b in batch_sizes:
             prompts = [_prompts(target.tokenizer, domain, b, r * b) for r in range(FLAGS.rounds)]
@@ -262,31 +368,8 @@ def main(argv):
                 alpha = alpha or 0.0  # n-gram: None when nothing matched
                 per_pos = " ".join(f"{a:.2f}" for a in positions)
                 print(f"| {domain} | {name} | {b} | {k} | {alpha:.2f} | {length:.2f} | {per_pos} | {per_step:.2f} "
-                      f"| {c:.2f} | {share:.1%} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} | {tps / plain_tps:.2f}x "
-                      f"| {(1 + k * alpha) / (1 + k * c):.2f}x |", flush=True)
-            for name, llm in defaults.items():
-                # Runs alternate with the plain engine's; the medians are compared (this VM's speed drifts).
-                runs, plain_runs = [], [plain_tps]
-                for i in range(FLAGS.repeats):
-                    runs.append(_decode_rounds(llm, prompts, request_class=domain))
-                    if FLAGS.temperature == 0:
-                        _check_greedy(runs[-1][4], want)
-                    if i + 1 < FLAGS.repeats:
-                        plain_runs.append(_decode_rounds(plain_llm, prompts)[0])
-                tps, per_step, share = (statistics.median(r[j] for r in runs) for j in (0, 2, 7))
-                alpha = runs[-1][3]
-                plain_med = statistics.median(plain_runs)
-                row = (f"| {domain} | {name} | {b} | {tps:.1f} / {plain_med:.1f} | {tps / plain_med:.2f}x "
-                       f"| {per_step:.2f} | {alpha or 0:.2f} | {share:.1%} |")
-                adaptive.append(row)
-                print(f"default settings: {row}", flush=True)
-    if not adaptive:
-        return
-    print("\n## Default settings (K = 4, adaptive per request class, cost gate), per batch size\n")
-    print("| domain | proposer | batch | tok/s default / no speculation | ratio | tokens/step | alpha "
-          "| host draft share |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    print("\n".join(adaptive))
+                      f"| {c:.2f} | {share:.1%} | {ms:.0f} / {plain_ms:.0f} | {tps:.1f} / {plain_tps:.1f} "
+                      f"| {tps / plain_tps:.2f}x | {(1 + k * alpha) / (1 + k * c):.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

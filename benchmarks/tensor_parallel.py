@@ -21,6 +21,8 @@ import time
 
 from absl import app, flags
 
+from benchmarks.baselines import prompts_dir  # defines --prompts_dir
+
 flags.DEFINE_list("sizes", ["1", "3"], "Tensor-parallel sizes (SmolLM2-135M splits over 1 or 3: 9 heads, 3 KV heads).")
 flags.DEFINE_integer("num_prompts", 8, "Chat prompts.")
 flags.DEFINE_integer("max_tokens", 32, "Tokens generated per prompt.")
@@ -32,7 +34,6 @@ def main(_):
 
     sizes = [int(s) for s in FLAGS.sizes]
     jax.config.update("jax_num_cpu_devices", max(sizes))
-    from benchmarks.baselines import prompts_dir
     from checkpoints import load_model
     from engine import LLM
     from scheduler.request import SamplingParams

@@ -54,10 +54,13 @@ DEFAULT_MEDUSA = "smollm2-135m-medusa"
 DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
-# The proposer `speculative="auto"` turns on for a model, once `benchmarks/speculative.py` shows it pays there.
-# SmolLM2: n-gram lookup with the cost gate (1.2-1.8x on summaries and long documents, never below 0.97x
-# elsewhere; benchmarks/RESULTS.md). Its bundled EAGLE head runs at 0.83-0.88x on chat on the CPU.
-AUTO_SPECULATION: dict[str, str] = {DEFAULT_MODEL: "ngram"}
+# What `speculative="auto"` turns on for a model (`LLM` arguments), once `benchmarks/speculative.py` shows it
+# pays there. SmolLM2: n-gram lookup under the cost gate. EAGLE-2 trees with the n-gram chain in them
+# (`{"speculative": "eagle", "num_tree_nodes": 7, "ngram_in_tree": True}`) make more tokens per step on chat
+# and code, but on the 2-core AVX-512 CPU their verify step costs 1.45-1.7x a plain one at batch 1, and their
+# five step programs per shape (19 s each to compile) do not fit the server's compile and memory-map budget
+# yet (benchmarks/RESULTS.md).
+AUTO_SPECULATION: dict[str, dict] = {DEFAULT_MODEL: {"speculative": "ngram"}}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
 

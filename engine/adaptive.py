@@ -51,6 +51,12 @@ class SpeculationConfig:
       dynamic trees (`engine.speculative.make_eagle_tree_step`).
     tree_branching: "eagle" trees: children proposed per expanded node, and
       nodes expanded per level (EAGLE-2's top-k), 1..8.
+    ngram_in_tree: "eagle" trees: where the context has an n-gram match
+      (`scheduler.ngram.lookup`, sizes `prompt_lookup_max`..`prompt_lookup_min`),
+      its continuation (at most K tokens) joins the head's candidates in the
+      same tree, ranked before them; the head's candidates that repeat it merge
+      into it. The coupled tree verify keeps the output the target's whatever
+      the tree holds, so this stays exact.
     """
 
     num_speculative_tokens: int = 4
@@ -62,6 +68,7 @@ class SpeculationConfig:
     method: str = "draft"
     tree_nodes: int = 0
     tree_branching: int = 4
+    ngram_in_tree: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -82,6 +89,8 @@ class SpeculationConfig:
                              f"got {self.tree_nodes}")
         if not 1 <= self.tree_branching <= 8:
             raise ValueError(f"tree_branching must be in [1, 8], got {self.tree_branching}")
+        if self.ngram_in_tree and not (self.method == "eagle" and self.tree_nodes):
+            raise ValueError("ngram_in_tree needs EAGLE-2 trees (method 'eagle' and tree_nodes >= 1)")
         if self.tree_nodes and not self.num_speculative_tokens:
             raise ValueError(f"tree_nodes={self.tree_nodes} needs num_speculative_tokens >= 1 (the trees' depth)")
         if not 0 <= self.min_acceptance <= 1 or not 0 <= self.ema_decay < 1:

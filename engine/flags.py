@@ -29,11 +29,14 @@ flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "n
                   "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model, EAGLE head or Medusa heads (bundled name or path); default: the "
                     "model's own.")
-flags.DEFINE_integer("num_speculative_tokens", 4, "Most draft tokens per verify step (K).")
-flags.DEFINE_integer("num_tree_nodes", 0, "0: chains of draft tokens; else token trees of at most this many "
+flags.DEFINE_integer("num_speculative_tokens", None, "Most draft tokens per verify step (K; default 4, or auto's).")
+flags.DEFINE_integer("num_tree_nodes", None, "0: chains of draft tokens; else token trees of at most this many "
                      "nodes (1..31), each path at most K deep (ngram: every earlier match's continuation; medusa: the "
-                     "heads' static sparse tree; eagle: EAGLE-2 dynamic trees).")
-flags.DEFINE_integer("tree_branching", 4, "EAGLE-2 trees: children per expanded node, nodes expanded per level (1..8).")
+                     "heads' static sparse tree; eagle: EAGLE-2 dynamic trees). Default 0, or auto's.")
+flags.DEFINE_integer("tree_branching", None, "EAGLE-2 trees: children per expanded node, nodes expanded per level "
+                     "(1..8; default 4, or auto's).")
+flags.DEFINE_bool("ngram_in_tree", None, "EAGLE-2 trees: the n-gram lookup's chain joins each tree (default: "
+                  "auto's, else off).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "
                   "--dtype). Default: the model's dtype.")
@@ -80,6 +83,7 @@ def llm_from_flags():
                speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
                num_tree_nodes=FLAGS.num_tree_nodes, tree_branching=FLAGS.tree_branching,
+               ngram_in_tree=FLAGS.ngram_in_tree,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size)

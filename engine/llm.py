@@ -32,20 +32,24 @@ class LLM:
         tokens), "medusa" (Medusa heads on the target's last hidden state fill a
         token tree), "draft" (a draft model proposes), "ngram" (prompt lookup:
         tokens that followed the latest earlier occurrence of the last few
-        tokens), None (off), or "auto": the proposer
-        `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the one the
-        benchmark showed to pay: "ngram" for SmolLM2), or with `draft_model`
-        its kind, else off.
+        tokens), None (off), or "auto": the settings
+        `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the ones the
+        benchmark showed to pay; for SmolLM2 n-gram lookup), or with
+        `draft_model` its kind, else off. Settings passed here override auto's.
       draft_model: the draft, EAGLE head or Medusa heads (bundled name, path, or
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
-        (adaptive speculation lowers it per request class where acceptance is low).
+        (adaptive speculation lowers it per request class where acceptance is
+        low); None: 4, or auto's.
       num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
         this many nodes (1..31), each path at most K deep ("ngram": the
         continuations of every earlier match, verified in one tree window;
-        "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic trees).
+        "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic
+        trees); None: 0, or auto's.
       tree_branching: "eagle" trees: children per expanded node and nodes
-        expanded per level (1..8).
+        expanded per level (1..8); None: 4, or auto's.
+      ngram_in_tree: "eagle" trees: the n-gram lookup's chain joins each tree
+        (`SpeculationConfig.ngram_in_tree`); None: False, or auto's.
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -54,7 +58,8 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
-                 num_speculative_tokens: int = 4, num_tree_nodes: int = 0, tree_branching: int = 4, **engine_args):
+                 num_speculative_tokens: int | None = None, num_tree_nodes: int | None = None,
+                 tree_branching: int | None = None, ngram_in_tree: bool | None = None, **engine_args):
         from checkpoints.draft import (AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, DEFAULT_MEDUSA_HEADS,
                                        draft_names, load_draft)
 
@@ -65,10 +70,17 @@ class LLM:
                              f"got {speculative!r}")
         defaults = {"eagle": DEFAULT_EAGLE_HEADS, "medusa": DEFAULT_MEDUSA_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
+        settings = {"num_speculative_tokens": 4, "num_tree_nodes": 0, "tree_branching": 4, "ngram_in_tree": False}
         if speculative == "auto" and not given:
-            kind = AUTO_SPECULATION.get(model) if isinstance(model, str) else None
+            auto = dict(AUTO_SPECULATION.get(model, {})) if isinstance(model, str) else {}
+            kind = auto.pop("speculative", None)
             bundled = kind == "ngram" or (kind in defaults and defaults[kind].get(model) in draft_names())
             speculative = kind if bundled else None
+            if bundled:
+                settings.update(auto)
+        asked = {"num_speculative_tokens": num_speculative_tokens, "num_tree_nodes": num_tree_nodes,
+                 "tree_branching": tree_branching, "ngram_in_tree": ngram_in_tree}
+        settings.update({name: value for name, value in asked.items() if value is not None})
         draft = None
         if speculative in defaults or given:
             if draft_model is None:
@@ -82,8 +94,10 @@ class LLM:
             raise ValueError(f"num_tree_nodes={num_tree_nodes} needs speculation, but speculative resolved to None")
         speculation = None
         if speculative is not None:
-            speculation = SpeculationConfig(num_speculative_tokens, method=speculative, tree_nodes=num_tree_nodes,
-                                            tree_branching=tree_branching)
+            speculation = SpeculationConfig(settings["num_speculative_tokens"], method=speculative,
+                                            tree_nodes=settings["num_tree_nodes"],
+                                            tree_branching=settings["tree_branching"],
+                                            ngram_in_tree=settings["ngram_in_tree"])
         self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft, speculation=speculation)
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.adaptive import SpeculationConfig
 from engine.proposers import Proposer
-from scheduler.ngram import lookup, lookup_tree
+from scheduler.ngram import Contexts, lookup, lookup_tree
 from scheduler.packing import tree_depths
 from scheduler.request import Request
 from scheduler.scheduler import StepPlan
@@ -39,7 +39,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, config: SpeculationConfig):
         super().__init__(config)
-        self._context: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
+        self._contexts = Contexts()
         self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
         self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
         self._parents: dict[str, list[int]] = {}  # request id -> its latest tree's node parents
@@ -59,10 +59,10 @@ class NgramProposer(Proposer):
             tokens, n = [], 0
         elif c.tree_nodes:
             tokens, self._parents[request.request_id], n = lookup_tree(
-                self._tokens(request), request.sampling.num_tree_nodes or c.tree_nodes, k, c.prompt_lookup_max,
+                self._contexts.tokens(request), request.sampling.num_tree_nodes or c.tree_nodes, k, c.prompt_lookup_max,
                 c.prompt_lookup_min)
         else:
-            tokens, n = lookup(self._tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
+            tokens, n = lookup(self._contexts.tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
         self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
         return len(tokens)
 
@@ -89,20 +89,6 @@ class NgramProposer(Proposer):
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self._parents.pop(request_id, None)
-        self._context.pop(request_id, None)
+        self._contexts.forget(request_id)
         self._proposed.pop(request_id, None)
         self._matched.pop(request_id, None)
-
-    def _tokens(self, request: Request) -> np.ndarray:
-        """The request's prompt + output as int32, appending only what is new since the last call."""
-        buf, n = self._context.get(request.request_id, (np.zeros(0, np.int32), 0))
-        total = request.num_tokens
-        if total < n:  # cannot shrink in practice; start over if it did
-            buf, n = np.zeros(0, np.int32), 0
-        if total > len(buf):
-            grown = np.zeros(max(total, 2 * len(buf), 64), np.int32)
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n:total] = request.token_ids(n, total)
-        self._context[request.request_id] = (buf, total)
-        return buf[:total]

@@ -51,6 +51,7 @@ from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, 
 from engine.step import KVPool, Weights, build_model, kernel_layout, kv_bytes_per_block
 from model import medusa
 from model.eagle import FC
+from scheduler.ngram import Contexts, lookup
 from scheduler.packing import tree_depths
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
@@ -169,7 +170,13 @@ class Proposer:
             else:
                 rows.append((a, k, r))
         rows.sort(key=lambda row: -row[0])
-        best, choice = (B + gain) / self._cost(B, fixed, fixed_k, work, plain_at, base), (0, 0)
+        idle = self._cost(B, fixed, fixed_k, work, plain_at, base)
+        if base is not None and not fixed:
+            # Drafting nothing for long releases the requests' draft state (`HOLD_STEPS`), after which a step
+            # runs the target alone, without the draft's upkeep pass: that is what drafting must beat.
+            bare = self.costs.get(*shape, None, plain_work)
+            idle = idle if bare is None else bare
+        best, choice = (B + gain) / idle, (0, 0)
         fixed_work = work
         for cap in self.gate_caps:
             drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
@@ -392,7 +399,11 @@ class EagleProposer(DraftModelProposer):
     the head drafts EAGLE-2 dynamic trees of up to that many nodes, `tree_branching`
     wide and at most K deep, verified by the coupled tree verify
     (`engine.speculative.make_eagle_tree_step`), so the output is the target's
-    whatever is drafted (`output_independent`).
+    whatever is drafted (`output_independent`). With `config.ngram_in_tree` the
+    host's n-gram lookup adds its chain to each tree where the context has a
+    match (one tree from two proposers: a copied span and the head's guesses
+    are verified in one step), and acceptance is estimated per request class and
+    matched n-gram size, as `engine.prompt_lookup.NgramProposer` does.
 
     Args:
       head: a `checkpoints.LoadedModel` whose params hold `model.eagle.FC` (`checkpoints.draft.load_draft`).
@@ -413,6 +424,8 @@ class EagleProposer(DraftModelProposer):
                              f"({target_config.hidden_size})")
         super().__init__(head, config, target_config.vocab_size, engine_config)
         self.target_config = target_config
+        self._contexts = Contexts()
+        self._chains: dict[str, tuple[list[int], int]] = {}  # request id -> (n-gram chain, matched n)
 
     def pools(self, num_blocks: int, block_size: int) -> tuple:
         return (*super().pools(num_blocks, block_size), FeaturePool.zeros(self.target_config, num_blocks, block_size))
@@ -429,11 +442,32 @@ class EagleProposer(DraftModelProposer):
         """Chains: the policy's K. Trees: the node budget (the request's `num_tree_nodes` caps it), shrunk in
         proportion when the policy lowers K; 0 once the request's features fell behind."""
         k = super().wanted(request, step)
-        n = self.config.tree_nodes
+        c = self.config
+        n = c.tree_nodes
         if not n or not k:
             return k
+        if c.ngram_in_tree:
+            self._chains[request.request_id] = lookup(self._contexts.tokens(request), c.num_speculative_tokens,
+                                                      c.prompt_lookup_max, c.prompt_lookup_min)
         n = min(n, request.sampling.num_tree_nodes or n)
-        return max(1, n * k // self.config.num_speculative_tokens)
+        return max(1, n * k // c.num_speculative_tokens)
+
+    def acceptance_key(self, request: Request) -> str | tuple:
+        """With n-gram chains in the trees: the class and the matched n-gram size (0: no match)."""
+        if not self.config.ngram_in_tree:
+            return request.request_class
+        return request.request_class, self._chains.get(request.request_id, ((), 0))[1]
+
+    def proposals(self, plan: StepPlan) -> dict[str, list[int]] | None:
+        """With n-gram chains in the trees: each drafting row's chain, cut to its window and padded with -1."""
+        if not (self.config.tree_nodes and self.config.ngram_in_tree):
+            return None
+        out = {}
+        for s in plan.seqs:
+            if s.num_draft:
+                chain = self._chains.get(s.request.request_id, ((), 0))[0][:s.num_draft]
+                out[s.request.request_id] = [*chain, *[-1] * (s.num_draft - len(chain))]
+        return out
 
     @property
     def program_ks(self) -> tuple[int, ...]:
@@ -442,11 +476,13 @@ class EagleProposer(DraftModelProposer):
 
     def depth(self, request: Request, k: int) -> int:
         """A tree of `k` nodes is at most k deep and at most as deep as the levels (`eagle_tree_shape`) of the
-        program that drafts it, the smallest of `program_ks` that holds k nodes."""
+        program that drafts it, the smallest of `program_ks` that holds k nodes, or as its n-gram chain."""
         if not self.config.tree_nodes or not k:
             return k
         K = min(c for c in self.program_ks if c >= k)
-        return min(k, eagle_tree_shape(K, self.config.tree_branching, self.config.num_speculative_tokens)[1])
+        levels = eagle_tree_shape(K, self.config.tree_branching, self.config.num_speculative_tokens)[1]
+        chain = self._chains.get(request.request_id, ((), 0))[0] if request is not None else ()
+        return min(k, max(levels, len(chain)))
 
     def tree_parents(self, plan: StepPlan) -> dict[str, list[int]] | None:
         """Trees: placeholder chains (the program picks each row's tree and rewrites its masks and positions)."""
@@ -459,8 +495,13 @@ class EagleProposer(DraftModelProposer):
         nodes (`make_eagle_tree_step`)."""
         if self.config.tree_nodes and K:
             return make_eagle_tree_step(target_graphdef, self.graphdef, attention, K, self.config.tree_branching,
-                                        self.config.num_speculative_tokens)
+                                        self.config.num_speculative_tokens, self.config.ngram_in_tree)
         return make_eagle_step(target_graphdef, self.graphdef, attention, K)
+
+    def forget(self, request_id: str) -> None:
+        super().forget(request_id)
+        self._contexts.forget(request_id)
+        self._chains.pop(request_id, None)
 
 
 class MedusaProposer(DraftModelProposer):

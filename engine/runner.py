@@ -218,6 +218,9 @@ class ModelRunner:
         self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, max_blocks_per_seq))
         self._attention = resolve_attention(config.attention)
         self._step = make_step(self.graphdef, self._attention)
+        # The speculative programs by K, looked up here: their makers' caches hash the model graphs, which
+        # took ~4 ms of host time a step.
+        self._spec_steps: dict[int, Callable] = {}
         self._score_step = make_score_step(self.graphdef, self._attention)
 
     @property
@@ -260,13 +263,18 @@ class ModelRunner:
             sampled, pool = self._step(self.state, self.pools[0], batch)
             self.pools = (pool, *self.pools[1:])
             return sampled, None, None
+        step = self._spec_steps.get(spec_k)
+        if step is None:
+            if self.proposer.on_device:
+                step = self.proposer.step_program(self.graphdef, self._attention, spec_k)
+            else:
+                make = make_tree_verify_step if self.proposer.config.tree_nodes else make_verify_step
+                step = make(self.graphdef, self._attention, spec_k)
+            self._spec_steps[spec_k] = step
         if not self.proposer.on_device:
-            make = make_tree_verify_step if self.proposer.config.tree_nodes else make_verify_step
-            step = make(self.graphdef, self._attention, spec_k)
             sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
             self.pools = (pool,)
             return sampled, num_emitted, None
-        step = self.proposer.step_program(self.graphdef, self._attention, spec_k)
         sampled, num_emitted, path_rank, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
         self.pools = tuple(pools)
         return sampled, num_emitted, path_rank

@@ -237,7 +237,7 @@ def _ancestor_bits(parents: jax.Array, base: jax.Array) -> jax.Array:
 
 @functools.cache
 def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int,
-                         branching: int, max_depth: int):
+                         branching: int, max_depth: int, with_chains: bool = False):
     """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an EAGLE
     head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns
     but for `path_rank`, int32 `[S, K]`: the rank (0 = best) by confidence of each accepted node among its row's
@@ -258,6 +258,11 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
     The head's KV and the target's features of every packed token are written as in `make_eagle_step` (a
     tree node's feature input is its parent's) and the accepted path's KV, head KV and features are moved to
     consecutive slots. Needs `K` >= 1 (`make_eagle_step(..., 0)` keeps the pools when no row drafts).
+
+    `with_chains`: `spec.draft_tokens` holds each row's host-proposed chain (an n-gram continuation; -1 past
+    it), which joins the tree ranked before the head's candidates (rank j at depth j + 1); a head candidate
+    whose path from the root spells a prefix of the chain is that chain node and merges into it (its children
+    hang from the chain node), so no token is verified twice under one parent.
     """
     k, levels = eagle_tree_shape(K, branching, max_depth)
 
@@ -342,6 +347,8 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         # Rerank every candidate; take each row's num_draft best (ties go to the earlier candidate: a parent).
         score = jnp.concatenate(c_score, 1)  # [S, candidates]
         depth = jnp.concatenate([jnp.full((S, c.shape[1]), d, jnp.int32) for c, d in zip(c_tok, c_depth)], 1)
+        if with_chains:
+            c_tok, score, c_parent, depth = _with_chain(spec.draft_tokens, c_tok, score, c_parent, depth)
         rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
         take = (rank < budget[:, None]) & jnp.isfinite(score)
         num_draft = jnp.sum(take, axis=1).astype(jnp.int32)
@@ -382,6 +389,41 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
                 FeaturePool(move(f)))
 
     return step
+
+
+def _with_chain(chain: jax.Array, c_tok: list, score: jax.Array, c_parent: list, depth: jax.Array):
+    """A host chain joined to an EAGLE-2 tree's candidates (`make_eagle_tree_step(..., with_chains=True)`).
+
+    Args:
+      chain: int32 `[S, C]`, each row's chain (-1 from where it ends).
+      c_tok, c_parent: per level, int32 `[S, n_level]`: the head's candidates' tokens and parent candidates
+        (-1: the root), in level order.
+      score: float `[S, N]` their confidences (log-probabilities, <= 0); depth: int32 `[S, N]`.
+    Returns:
+      (c_tok, score, c_parent, depth) over the C chain nodes followed by the N head candidates: chain node j
+      scores 0 (the best: ranked first, in order) and hangs from node j - 1; a head candidate that repeats
+      a chain node scores -inf (never taken) and its children hang from the chain node instead.
+    """
+    S, C = chain.shape
+    valid = jnp.cumprod(chain >= 0, axis=1).astype(bool)
+    alias = []  # per level: the chain node each candidate repeats (-1: none)
+    for tok, parent in zip(c_tok, c_parent):  # a parent is on an earlier level
+        up = jnp.take_along_axis(jnp.concatenate(alias, 1), jnp.maximum(parent, 0), 1) if alias else -1
+        at = jnp.where(parent < 0, 0, up + 1)  # the chain node this candidate would be
+        j = jnp.minimum(at, C - 1)
+        same = (((parent < 0) | (up >= 0)) & (at < C) & (tok == jnp.take_along_axis(chain, j, 1))
+                & jnp.take_along_axis(valid, j, 1))
+        alias.append(jnp.where(same, at, -1))
+    alias = jnp.concatenate(alias, 1)  # [S, N]
+    parent = jnp.concatenate(c_parent, 1)
+    up = jnp.take_along_axis(alias, jnp.maximum(parent, 0), 1)
+    head_parent = jnp.where(parent < 0, -1, jnp.where(up >= 0, up, parent + C))
+    chain_parent = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32) - 1, (S, C))
+    return ([jnp.maximum(chain, 0)] + list(c_tok),
+            jnp.concatenate([jnp.where(valid, 0.0, -jnp.inf).astype(score.dtype), jnp.where(alias >= 0, -jnp.inf,
+                                                                                              score)], 1),
+            [chain_parent, head_parent],
+            jnp.concatenate([jnp.broadcast_to(jnp.arange(1, C + 1, dtype=jnp.int32), (S, C)), depth], 1))
 
 
 def _place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, V: int):

@@ -84,3 +84,28 @@ def lookup_tree(context: np.ndarray, max_nodes: int, depth: int, max_n: int,
                 child = children[(node, t)] = len(tokens)
             node = child
     return tokens, parents, n
+
+
+class Contexts:
+    """Each request's prompt + output as a growing int32 array, appending only what is new since the last
+    call: what `lookup` and `lookup_tree` search, per decode step, without rebuilding it."""
+
+    def __init__(self):
+        self._buffers: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
+
+    def tokens(self, request) -> np.ndarray:
+        """int32 `[L]`: `request`'s tokens (a `scheduler.request.Request`)."""
+        buf, n = self._buffers.get(request.request_id, (np.zeros(0, np.int32), 0))
+        total = request.num_tokens
+        if total < n:  # cannot shrink in practice; start over if it did
+            buf, n = np.zeros(0, np.int32), 0
+        if total > len(buf):
+            grown = np.zeros(max(total, 2 * len(buf), 64), np.int32)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = request.token_ids(n, total)
+        self._buffers[request.request_id] = (buf, total)
+        return buf[:total]
+
+    def forget(self, request_id: str) -> None:
+        self._buffers.pop(request_id, None)

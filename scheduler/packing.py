@@ -64,7 +64,7 @@ class SpecArrays:
     draft_token_index: np.ndarray  # int32 [S, K]; packed index of placeholder j, T where none (dropped)
     verify_indices: np.ndarray  # int32 [S, K+1]; packed index of the last real token, then the placeholders
     draft_slots: np.ndarray  # int32 [K, S]; slot of placeholder j (draft pass j writes there), 0 where none
-    draft_tokens: np.ndarray  # int32 [S, K]; a host proposer's draft tokens, 0 where none
+    draft_tokens: np.ndarray  # int32 [S, K]; a host proposer's draft tokens (an EAGLE row's n-gram chain, -1 past it), 0 where none
     parents: np.ndarray  # int32 [S, K+1]; each window node's parent (-1: the root, or none); a chain: i - 1
     tree_mask: np.ndarray  # int32 [T]; with trees, each token's pallas_kernels.reference.tree_visible mask, else -1
 
@@ -137,7 +137,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
                 if len(proposed) != k:
                     raise ValueError(f"{r.request_id}: {len(proposed)} proposed tokens for {k} draft slots")
                 draft_tokens[i, :k] = proposed
-                token_ids[last + 1:last + 1 + k] = proposed
+                token_ids[last + 1:last + 1 + k] = np.maximum(proposed, 0)  # -1: past an EAGLE row's chain
             tree = (parents or {}).get(r.request_id)
             tree_parents[i, :k + 1] = [-1, *(range(k) if tree is None else tree)]
             if tree is not None:

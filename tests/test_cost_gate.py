@@ -167,6 +167,22 @@ def test_expensive_verify_turns_drafting_off_for_the_step():
     assert all(p.wanted(r, 0) == 4 for r in rs)
 
 
+def test_a_device_proposer_must_beat_the_target_alone_not_its_upkeep_step():
+    """A device proposer's no-draft step (K = 0) still runs its upkeep pass; the gate weighs drafting against the
+    target alone (K = None), which the steps run once the class is released, where that is measured."""
+    p = _Fixed(SpeculationConfig(4), {"r0": 4})
+    p.on_device = True
+    _teach(p, "default", [(4, 1), (4, 0)])  # alpha 1 / 3: 1 + E(1/3, 4) = 1.49 tokens per verify
+    p.costs.observe(1, 1, 0, 0.026)  # the head's upkeep makes a no-draft step 30% dearer than the target's
+    p.costs.observe(8, 1, 4, 0.030)
+    [r] = _decodes(1)
+    p.begin_step([r], 0)
+    assert p.draft_len(r, 0) > 0  # 1.49 tokens in 30 ms beats 1 in 26 ms
+    p.costs.observe(1, 1, None, 0.020)
+    p.begin_step([r], 1)
+    assert p.draft_len(r, 1) == 0  # but not 1 in 20 ms
+
+
 def test_only_the_classes_that_pay_draft():
     want = {f"{c}{i}": 2 for c in "ab" for i in range(2)}
     p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), want)  # the floor leaves both classes on

@@ -304,6 +304,73 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
         assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
 
 
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                                SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.1)],
+                         ids=["t1", "t0.7", "top_p0.9", "min_p0.1"])
+def test_first_three_tokens_of_merged_trees_follow_the_target_exactly(sp):
+    """EAGLE-2 trees with the n-gram chain in them (the default for SmolLM2): as above, N = 3000 seeded requests
+    whose prompt repeats itself, so the chain (the tokens after the earlier "1 5") is in most trees; the
+    exact joint of the first three tokens is accepted at the 0.001 level and the unfiltered one rejected."""
+    target = _target(vocab_size=8, seed=0, scale=8.0)
+    head = _head(target, noise=0.5, feature_mix=0.5)
+    merged = SpeculationConfig(2, min_acceptance=0.0, method="eagle", tree_nodes=4, tree_branching=2,
+                               ngram_in_tree=True)
+    engine = Engine(target, EngineConfig(num_blocks=600, block_size=4, max_num_seqs=64, max_num_batched_tokens=512),
+                    draft=head, speculation=merged)
+    prompt = [1, 5, 2, 6, 1, 5]
+    N = 3000
+    # Six tokens each, so the first verify (after the prefill's token) has a whole tree: the chain [2, 6] and
+    # two of the head's candidates.
+    outs = _run(engine, [prompt] * N, [dataclasses.replace(sp, seed=i, max_tokens=6, ignore_eos=True)
+                                       for i in range(N)])
+    counts = np.zeros((8, 8, 8))
+    for o in outs:
+        counts[tuple(o.token_ids[:3])] += 1
+    drafted, accepted = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+    assert drafted >= 4 * N and 0.05 < accepted / drafted < 0.95, (accepted, drafted)
+    assert any(n > 0 for _, n in engine.proposer._acceptance)  # verifies of trees that held a chain
+    assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
+    if sp.temperature != 1.0 or sp.top_p != 1.0 or sp.min_p:
+        unfiltered = _exact_joint(target, prompt, SamplingParams(temperature=1.0))
+        assert _chi2_pvalue(counts.ravel(), unfiltered.ravel()) < 1e-3
+
+
+def test_the_ngram_chain_joins_the_tree_once():
+    """`_with_chain`: chain nodes come first (score 0, in order); a head candidate that spells a chain prefix
+    merges into that chain node (never taken, its children re-hung); other candidates keep their parents,
+    shifted past the chain."""
+    from engine.speculative import _with_chain
+
+    chain = jnp.array([[7, 8, -1]])
+    c_tok = [jnp.array([[7, 9]]), jnp.array([[8, 5, 6, 4]])]
+    c_parent = [jnp.array([[-1, -1]]), jnp.array([[0, 0, 1, 1]])]
+    score = jnp.array([[-0.1, -1.0, -0.2, -0.5, -1.5, -2.0]])
+    depth = jnp.array([[1, 1, 2, 2, 2, 2]])
+    tok, sc, parent, d = _with_chain(chain, c_tok, score, c_parent, depth)
+    assert jnp.concatenate(tok, 1).tolist() == [[7, 8, 0, 7, 9, 8, 5, 6, 4]]
+    assert sc.tolist() == [[0, 0, -np.inf, -np.inf, -1.0, -np.inf, -0.5, -1.5, -2.0]]
+    assert jnp.concatenate(parent, 1).tolist() == [[-1, 0, 1, -1, -1, 0, 0, 4, 4]]
+    assert d.tolist() == [[1, 2, 3, 1, 1, 2, 2, 2, 2]]
+
+
+def test_merged_trees_accept_the_repeats_a_poor_head_misses(target, plain):
+    """A head that hardly ever guesses right (noise 1.0) on a target whose greedy outputs loop: the n-gram
+    chain in its trees accepts the loops (61 accepted against 6 without, on these prompts), and the output is
+    the target's."""
+    head = _head(target, noise=1.0, feature_mix=0.5)
+    greedy = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)] * len(PROMPTS)
+    want = [o.token_ids for o in _run(plain, PROMPTS, greedy)]
+    accepted = {}
+    for merge in (False, True):
+        engine = Engine(target, CFG, draft=head, speculation=dataclasses.replace(TREES, ngram_in_tree=merge))
+        outs = _run(engine, PROMPTS, greedy)
+        assert [o.token_ids for o in outs] == want
+        accepted[merge] = sum(o.num_accepted_tokens for o in outs)
+    assert accepted[True] > 5 * max(accepted[False], 1), accepted
+    with pytest.raises(ValueError, match="ngram_in_tree needs EAGLE-2 trees"):
+        dataclasses.replace(EAGLE, ngram_in_tree=True)
+
+
 @pytest.mark.parametrize("speculation", [EAGLE, TREES], ids=["chain", "tree"])
 def test_finishing_inside_an_accepted_run_matches_the_plain_run(target, plain, speculation):
     same = Engine(target, CFG, draft=_head(target), speculation=speculation)
