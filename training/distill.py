@@ -34,7 +34,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from benchmarks import prompts
+from benchmarks import baselines  # noqa: F401  (defines --prompts_dir, shared with the benchmarks)
 from training.data import SAMPLED, DataConfig, batches, compute_targets, dense_hidden, generate_continuations, \
     pad_batch, read_continuations
 
@@ -43,8 +43,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("stage", "all", ["generate", "targets", "train", "eval", "all"], "What to run.")
 flags.DEFINE_string("workdir", os.path.expanduser("~/.cache/jax-spec-engine/distill"),
                     "Where the generated data, soft targets and eval results go.")
-flags.DEFINE_string("prompts_dir", prompts.default_dir(),
-                    "Directory of the prompt `<domain>.jsonl` files, built by `python -m benchmarks.prompts`.")
 flags.DEFINE_string("out", os.path.join(_ROOT, "checkpoints", "drafts", "smollm2-135m-draft"),
                     "Where the trained draft is saved.")
 flags.DEFINE_integer("max_new_tokens", 160, "Continuation length for training data.")
