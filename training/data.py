@@ -62,7 +62,7 @@ def split_prompts(prompts_dir: str, synthetic: str | None = None) -> list[dict]:
     """
     from benchmarks.prompts import require
 
-    require(prompts_dir)
+    require(prompts_dir, tuple(EVAL_PERCENT))
     rows = []
     for domain, percent in EVAL_PERCENT.items():
         with open(os.path.join(prompts_dir, f"{domain}.jsonl")) as f:
