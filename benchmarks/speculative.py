@@ -47,8 +47,10 @@ instead, to tell how much of a head's acceptance is fitting its training prompts
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,7 +70,7 @@ flags.DEFINE_list("ks", [], "Draft lengths K of a table of each --proposers at f
                   "process; empty: only the default-settings table.")
 flags.DEFINE_integer("repeats", 3, "Rounds of the default-settings table, each configuration in a process of "
                      "its own, alternating (0: no default-settings table).")
-flags.DEFINE_list("configs", ["off", "auto"], "Default-settings table: \"off\", \"auto\" (LLM's default) or a "
+flags.DEFINE_list("configs", ["off", "auto"], "Default-settings table: \"off\", \"auto\" (LLM's default), \"eagle-ngram-tree\" or a "
                   "--proposers name with the engine's defaults; the first is the baseline of the ratios.")
 flags.DEFINE_string("worker", None, "Internal: run one --configs entry over every cell, print its figures.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
@@ -215,19 +217,21 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
     return out
 
 
-def _engine_for(config: str, target=None, heads=None):
-    """The LLM of a --configs entry: "off", "auto" (the defaults of `LLM()`) or a --proposers name."""
-    from checkpoints import DEFAULT_MODEL
+def _engine_for(config: str):
+    """The LLM of a --configs entry: "off", "auto" (the defaults of `LLM()`), a --proposers name, or
+    "eagle-ngram-tree" (EAGLE-2 trees with the n-gram chain in them)."""
     from engine import LLM
 
     limits = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kernel_dtype": FLAGS.kernel_dtype}
     if config in ("off", "auto"):
-        return LLM(DEFAULT_MODEL, speculative=None if config == "off" else "auto", **limits)
+        return LLM(speculative=None if config == "off" else "auto", **limits)
+    if config == "eagle-ngram-tree":
+        config, limits["ngram_in_tree"] = "eagle-tree", True
     kind = config.removesuffix("-tree")
     if kind != config:
         limits.update(num_tree_nodes=FLAGS.tree_nodes, tree_branching=FLAGS.tree_branching)
-    return LLM(target or DEFAULT_MODEL, speculative=kind, draft_model=(heads or {}).get(kind),
-               draft_kernel_dtype=FLAGS.draft_kernel_dtype, **limits)
+    draft = {"eagle": FLAGS.eagle_head, "draft": FLAGS.draft}.get(kind)
+    return LLM(speculative=kind, draft_model=draft, draft_kernel_dtype=FLAGS.draft_kernel_dtype, **limits)
 
 
 def _worker(config: str) -> dict:
@@ -253,9 +257,6 @@ def _worker(config: str) -> dict:
 
 
 def _spawn(config: str) -> dict:
-    import json
-    import subprocess
-
     done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--worker={config}"],
                           capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -304,7 +305,6 @@ def main(argv):
     import jax
 
     if FLAGS.worker:
-        import json
         print("RESULT " + json.dumps(_worker(FLAGS.worker)), flush=True)
         return
 

@@ -460,7 +460,7 @@ class EagleProposer(DraftModelProposer):
 
     def proposals(self, plan: StepPlan) -> dict[str, list[int]] | None:
         """With n-gram chains in the trees: each drafting row's chain, cut to its window and padded with -1."""
-        if not (self.config.tree_nodes and self.config.ngram_in_tree):
+        if not self.config.ngram_in_tree:  # implies trees (SpeculationConfig)
             return None
         out = {}
         for s in plan.seqs:
