@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 PANEL = 16  # output columns per panel (the kernel's vector width)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _TARGET = "jse_skinny_matmul"
+_LAYERS_TARGET = "jse_skinny_matmul_layers"
 _ATTENTION_TARGET = "jse_paged_attention"
 _AMX_TARGET = "jse_amx_matmul"
+_AMX_LAYERS_TARGET = "jse_amx_matmul_layers"
 _LOG_SOFTMAX_TARGET = "jse_log_softmax_gather"
 _AMX_HEAD_TARGET = "jse_amx_head_log_softmax"
 AMX_TILE_K = 32  # bf16 elements of k per AMX tile row
@@ -136,6 +138,25 @@ def skinny_matmul(x: jax.Array, p: PackedWeight) -> jax.Array:
     return call(x.astype(jnp.float32), p.panels, scales, isa=np.int32(_ISAS[p.isa]))
 
 
+def skinny_matmul_layers(x: jax.Array, weights: list[PackedWeight], layer: jax.Array) -> jax.Array:
+    """float32 `[T, N]` = x `[T, K]` @ `weights[layer]` through the native kernel, for a loop over layers
+    (`lax.scan`): every layer's panels are operands the loop passes through as they are, so the product reads
+    the chosen layer's in place where slicing a stacked `[L, ...]` weight would copy it each iteration.
+
+    `weights`: L `PackedWeight`s of one shape, dtype, N and isa; `layer`: int32 `[]`. Requires
+    `available()`; a `layer` outside [0, L) fails the call at run time.
+    """
+    _require()
+    first = weights[0]
+    if any((w.panels.shape, w.panels.dtype, w.n, w.isa) != (first.panels.shape, first.panels.dtype, first.n,
+                                                          first.isa) for w in weights):
+        raise ValueError("skinny_matmul_layers: every layer's weight must have one shape, dtype, n and isa")
+    scales = [w.scales if w.scales.size else jnp.zeros(0, jnp.float32) for w in weights]
+    call = jax.ffi.ffi_call(_LAYERS_TARGET, jax.ShapeDtypeStruct((x.shape[0], first.n), jnp.float32))
+    return call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), *[w.panels for w in weights], *scales,
+                isa=np.int32(_ISAS[first.isa]))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AmxWeight:
@@ -207,6 +228,20 @@ def amx_matmul(x: jax.Array, p: AmxWeight) -> jax.Array:
         raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
     call = jax.ffi.ffi_call(_AMX_TARGET, jax.ShapeDtypeStruct((x.shape[0], p.n), jnp.float32))
     return call(x.astype(jnp.float32), p.hi, p.lo)
+
+
+def amx_matmul_layers(x: jax.Array, weights: list[AmxWeight], layer: jax.Array) -> jax.Array:
+    """float32 `[T, N]` = x `[T, K]` @ `weights[layer]` on AMX tiles, for a loop over layers (as
+    `skinny_matmul_layers`). `weights`: L `AmxWeight`s of one shape and n (lo parts all empty or all full);
+    `layer`: int32 `[]`. Requires `amx_available()`; a `layer` outside [0, L) fails the call at run time."""
+    if not amx_available():
+        raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
+    first = weights[0]
+    if any((w.hi.shape, w.lo.shape, w.n) != (first.hi.shape, first.lo.shape, first.n) for w in weights):
+        raise ValueError("amx_matmul_layers: every layer's weight must have one shape and n")
+    call = jax.ffi.ffi_call(_AMX_LAYERS_TARGET, jax.ShapeDtypeStruct((x.shape[0], first.n), jnp.float32))
+    return call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), *[w.hi for w in weights],
+                *[w.lo for w in weights])
 
 
 def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -281,8 +316,10 @@ def _library() -> ctypes.CDLL | None:
         log.warning("this CPU has neither AVX-512F nor AVX2+FMA; using XLA's dot")
         return None
     jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JseSkinnyMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_LAYERS_TARGET, jax.ffi.pycapsule(lib.JseSkinnyMatmulLayers), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION_TARGET, jax.ffi.pycapsule(lib.JsePagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(_AMX_TARGET, jax.ffi.pycapsule(lib.JseAmxMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_AMX_LAYERS_TARGET, jax.ffi.pycapsule(lib.JseAmxMatmulLayers), platform="cpu")
     jax.ffi.register_ffi_target(_AMX_HEAD_TARGET, jax.ffi.pycapsule(lib.JseAmxHeadLogSoftmax), platform="cpu")
     jax.ffi.register_ffi_target(_LOG_SOFTMAX_TARGET, jax.ffi.pycapsule(lib.JseLogSoftmaxGather), platform="cpu")
     return lib

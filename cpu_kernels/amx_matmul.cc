@@ -315,7 +315,33 @@ ffi::Error AmxHeadLogSoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
+// One layer's product inside a loop over layers (`lax.scan`), as `JseSkinnyMatmulLayers`: every layer's tiles
+// are operands the loop passes through untouched, and `layer` picks one.
+ffi::Error AmxMatmulLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                               ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> y) {
+  // weights: L hi parts then L lo parts.
+  const int64_t L = static_cast<int64_t>(weights.size()) / 2;
+  if (L == 0 || weights.size() % 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("amx matmul (layers): want a layer index, L hi parts and L lo parts");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("amx matmul (layers): layer index out of range");
+  auto hi = weights.get<ffi::Buffer<ffi::BF16>>(l);
+  auto lo = weights.get<ffi::Buffer<ffi::BF16>>(L + l);
+  if (!hi.has_value() || !lo.has_value())
+    return ffi::Error::InvalidArgument("amx matmul (layers): the tiles must be bfloat16");
+  return AmxMatmulImpl(pool, x, *hi, *lo, y);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JseAmxMatmulLayers, AmxMatmulLayersImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .RemainingArgs()               // L hi parts, then L lo parts
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JseAmxMatmul, AmxMatmulImpl,
                               ffi::Ffi::Bind()

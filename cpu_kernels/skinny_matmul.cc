@@ -216,7 +216,33 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+// One layer's product inside a loop over layers (`lax.scan`): the weights of every layer are operands that
+// the loop passes through untouched, and `layer` picks one, so no layer's weight is copied out of a stack.
+ffi::Error SkinnyMatmulLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                                  ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+  // weights: L panels then L scales.
+  const int64_t L = static_cast<int64_t>(weights.size()) / 2;
+  if (L == 0 || weights.size() % 2 || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("skinny matmul (layers): want a layer index, L weights and L scales");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("skinny matmul (layers): layer index out of range");
+  auto w = weights.get<ffi::AnyBuffer>(l);
+  auto scales = weights.get<ffi::Buffer<ffi::F32>>(L + l);
+  if (!w.has_value() || !scales.has_value())
+    return ffi::Error::InvalidArgument("skinny matmul (layers): weights must be arrays, scales float32");
+  return SkinnyMatmulImpl(pool, x, *w, *scales, y, isa);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JseSkinnyMatmulLayers, SkinnyMatmulLayersImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .RemainingArgs()               // L weights [N/16, K, 16], then L scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
+                                  .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JseSkinnyMatmul, SkinnyMatmulImpl,
                               ffi::Ffi::Bind()

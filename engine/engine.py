@@ -381,9 +381,11 @@ class Engine:
         """Every (token bucket, sequence bucket) shape the step can be compiled for."""
         return self.runner.buckets
 
-    def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
-        """Compiles the step for `buckets` (default: all, and the block-op programs); returns the count."""
-        return self.runner.precompile(buckets)
+    def precompile(self, buckets: list[tuple[int, int]] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> int:
+        """Compiles the step for `buckets` (default: every program a server can run: all step shapes, Score's
+        and the block-op programs); returns the step shapes compiled. See `ModelRunner.precompile`."""
+        return self.runner.precompile(buckets, progress)
 
     @staticmethod
     def compilation_count() -> int:

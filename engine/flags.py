@@ -56,6 +56,9 @@ flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the target splits over 
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator (several processes).")
 flags.DEFINE_integer("num_processes", 1, "Processes (hosts) the mesh spans; > 1 starts jax.distributed.")
 flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processes - 1.")
+flags.DEFINE_string("compilation_cache_dir", "default", "Where compiled programs are kept across restarts (JAX's "
+                    "persistent compilation cache); 'default': $JAX_COMPILATION_CACHE_DIR, else "
+                    "~/.cache/jax-spec-engine/xla; '' keeps none.")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
 
@@ -76,6 +79,10 @@ def llm_from_flags():
     elif FLAGS.tensor_parallel_size > 1:
         # Before the backend starts: where jax runs on the CPU, it shows this many host devices.
         jax.config.update("jax_num_cpu_devices", max(FLAGS.tensor_parallel_size, jax.config.jax_num_cpu_devices))
+    if FLAGS.compilation_cache_dir:
+        from engine.compilation import use_persistent_cache
+
+        use_persistent_cache(None if FLAGS.compilation_cache_dir == "default" else FLAGS.compilation_cache_dir)
     from engine import LLM  # after flag parsing: the jax import is slow
 
     return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,

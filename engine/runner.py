@@ -17,8 +17,11 @@ steps run the target and the verify alone.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,7 +30,7 @@ import numpy as np
 
 import cpu_kernels
 
-from engine.compilation import maps_left
+from engine.compilation import MAPS_PER_PROGRAM, maps_left, memory_maps
 from engine.config import EngineConfig
 from engine.distributed import check_same_batch
 from engine.proposers import Proposer
@@ -259,10 +262,23 @@ class ModelRunner:
         proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
         replaced.
         """
+        step, args = self._program(batch, spec, spec_k)
         if spec_k is None:
-            sampled, pool = self._step(self.state, self.pools[0], batch)
+            sampled, pool = step(*args)
             self.pools = (pool, *self.pools[1:])
             return sampled, None, None
+        if not self.proposer.on_device:
+            sampled, num_emitted, pool = step(*args)
+            self.pools = (pool,)
+            return sampled, num_emitted, None
+        sampled, num_emitted, path_rank, *pools = step(*args)
+        self.pools = tuple(pools)
+        return sampled, num_emitted, path_rank
+
+    def _program(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None) -> tuple[Callable, tuple]:
+        """The jitted step program for `spec_k` and its arguments (see `execute`)."""
+        if spec_k is None:
+            return self._step, (self.state, self.pools[0], batch)
         step = self._spec_steps.get(spec_k)
         if step is None:
             if self.proposer.on_device:
@@ -272,12 +288,8 @@ class ModelRunner:
                 step = make(self.graphdef, self._attention, spec_k)
             self._spec_steps[spec_k] = step
         if not self.proposer.on_device:
-            sampled, num_emitted, pool = step(self.state, self.pools[0], batch, spec)
-            self.pools = (pool,)
-            return sampled, num_emitted, None
-        sampled, num_emitted, path_rank, *pools = step(self.state, self.proposer.state, *self.pools, batch, spec)
-        self.pools = tuple(pools)
-        return sampled, num_emitted, path_rank
+            return step, (self.state, self.pools[0], batch, spec)
+        return step, (self.state, self.proposer.state, *self.pools, batch, spec)
 
     def run(self, packed: PackedBatch, spec_k: int | None, timing: StepTiming | None = None) -> StepOutput:
         """Copies `packed` to the device, runs the step program and makes the step's one read back.
@@ -341,8 +353,8 @@ class ModelRunner:
 
         Teacher forcing through the paged forward: a chunk's KV goes into its
         `allocation` (the block manager's, for `len(token_ids) - 1` tokens;
-        the caller frees it) after the KV of the chunks before it. Compiles
-        once per bucket on first use.
+        the caller frees it) after the KV of the chunks before it. One program
+        per token bucket (`precompile` compiles them all).
         """
         # Request objects only to reuse `pack`; they never enter the scheduler.
         seqs, targets = [], []
@@ -350,40 +362,83 @@ class ModelRunner:
             request = Request(token_ids, SamplingParams(), request_id=f"score-{i}", allocation=allocation)
             seqs.append(ScheduledSeq(request, start, m, sample=False))
             targets += token_ids[start + 1:start + 1 + m]
-        packed = self.pack(StepPlan(seqs, []), {s.request.request_id: 0 for s in seqs})
-        padded = np.zeros(bucket_for(len(targets), self.token_buckets), np.int32)
+        # One sequence bucket for every Score step: a program per token bucket only (padding sequences cost
+        # nothing here: every token's logits are computed anyway).
+        packed = pack(StepPlan(seqs, []), self.config.block_size, self.max_blocks_per_seq, self.token_buckets,
+                      (self._score_seqs,), {s.request.request_id: 0 for s in seqs})
+        padded = np.zeros(packed.token_ids.shape[0], np.int32)
         padded[:len(targets)] = targets
-        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), padded)
-        self.pools = (pool, *self.pools[1:])
-        logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
+        logprobs, greedy = self._score(packed, padded)
         out, t = [], 0
         for *_, m in chunks:
             out.append((logprobs[t:t + m], greedy[t:t + m]))
             t += m
         return out
 
+    @property
+    def _score_seqs(self) -> int:
+        return self.seq_buckets[-1]
+
+    def _score(self, packed: PackedBatch, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
+        self.pools = (pool, *self.pools[1:])
+        return np.asarray(logprobs), np.asarray(greedy)
+
     # ---- compilation ----------------------------------------------------------------------
 
-    def precompile(self, buckets: list[tuple[int, int]] | None = None) -> int:
-        """Compiles the step for `buckets` (default: all) with all-padding batches; returns the count.
+    def precompile(self, buckets: list[tuple[int, int]] | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> int:
+        """Compiles the step for `buckets` (default: all) with all-padding batches; returns the shapes compiled.
 
-        With the default, the block-op programs (copy-on-write and swap) are compiled too. Shapes go
-        smallest first (decode and verify steps) and stop, with a warning, where the process's memory-map
-        limit would not hold the next shape's programs (`engine.compilation`).
+        With the default, Score's programs (one per token bucket) and the block-op programs (copy-on-write
+        and swap) are compiled too, so a server meets no compilation after it. `progress(done, total)` is
+        called after each program. Raises RuntimeError where the programs would pass the process's memory-map
+        limit (`engine.compilation`; BUILD.md says how to raise it): a server that dropped compiled programs
+        under load would stall every stream while they compile again.
         """
         shapes = sorted(buckets or self.buckets)
-        for i, (T, S) in enumerate(shapes):
-            if not maps_left(len(self.spec_ks)):
-                log.warning("precompiled %d of %d step shapes: the rest would pass vm.max_map_count; they compile "
-                            "on first use (BUILD.md)", i, len(shapes))
-                shapes = shapes[:i]
-                break
-            for K in self.spec_ks:
+        score = self.token_buckets if buckets is None else []
+        block_ops = self.block_op_buckets if buckets is None else []
+        total = len(shapes) * len(self.spec_ks) + len(score) + len(block_ops)
+        if not maps_left(total):
+            used, limit = memory_maps()
+            raise RuntimeError(f"{total} programs would pass vm.max_map_count ({used} of {limit} memory maps in "
+                               f"use, ~{MAPS_PER_PROGRAM} a program): raise it (BUILD.md) or lower "
+                               "--max_num_batched_tokens / --max_num_seqs")
+        done, lock = 0, threading.Lock()
+
+        def tick():
+            nonlocal done
+            with lock:
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+
+        # Compiled ahead of time on a thread per CPU (XLA compiles without the GIL; what JAX caches from a
+        # compile serves the later call), then each run once, which then only loads: ~1.3x faster on 2 CPUs.
+        def compile_ahead(job) -> None:
+            T, S, K = job
+            packed = self.padding_batch(T, S if K != "score" else self._score_seqs, None if K == "score" else K)
+            batch = StepBatch.from_packed(packed)
+            if K == "score":
+                fn, args = self._score_step, (self.state, self.pools[0], batch, np.zeros(T, np.int32))
+            else:
+                fn, args = self._program(batch, SpecBatch.from_packed(packed.spec) if K is not None else None, K)
+            fn.lower(*args).compile()
+            tick()
+
+        jobs = [(T, S, K) for T, S in shapes for K in self.spec_ks] + [(T, None, "score") for T in score]
+        with concurrent.futures.ThreadPoolExecutor(min(os.cpu_count() or 1, 4)) as pool:
+            list(pool.map(compile_ahead, jobs))
+        for T, S, K in jobs:
+            if K == "score":
+                self._score(self.padding_batch(T, self._score_seqs), np.zeros(T, np.int32))
+            else:
                 self.run(self.padding_batch(T, S, K), K)
-        if buckets is None:
-            for n in self.block_op_buckets:
-                ids = np.zeros(n, np.int32)
-                self.pools = copy_blocks(self.pools, ids, ids)
-                self.pools = scatter_blocks(self.pools, ids, gather_blocks(self.pools, ids))
+        for n in block_ops:
+            ids = np.zeros(n, np.int32)
+            self.pools = copy_blocks(self.pools, ids, ids)
+            self.pools = scatter_blocks(self.pools, ids, gather_blocks(self.pools, ids))
+            tick()
         jax.block_until_ready(self.pools)
         return len(shapes)

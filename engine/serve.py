@@ -2,8 +2,14 @@
 
   python -m engine.serve --model smollm2-135m-instruct --port 50051 --metrics_port 9464
 
-Prints `serving <model> on <host>:<port>` (and the metrics address) once it
-accepts calls. SIGTERM or SIGINT: stop accepting, give calls in flight
+Listens within seconds, before the model is loaded: prints `listening on
+<host>:<port>` (and the metrics address); gRPC health says NOT_SERVING and
+every call gets UNAVAILABLE with a retry hint while the engine loads and
+compiles every program it can run (progress on stderr and in the
+`engine_warmup_*` gauges; compiled programs are kept in
+`--compilation_cache_dir`, so a restart loads them). Then it prints
+`precompiled ...` and `serving <model> on <host>:<port>`, and health turns
+SERVING. SIGTERM or SIGINT: stop accepting, give calls in flight
 `--grace_s` seconds, abort the rest, stop the engine thread, exit 0. Model, engine and
 speculation flags are `engine.flags`'; the server itself is `engine.serving`.
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import threading
 import time
 
 from absl import app, flags, logging
@@ -46,8 +53,40 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-async def _serve(server) -> None:
-    """Runs `server` (an `engine.serving.server.GenerationServer`) until SIGTERM or SIGINT."""
+class _Progress:
+    """Start-up progress lines on stderr: programs compiled of the total, elapsed, an estimate of what is left
+    (at most one line every `every_s` seconds, and the last)."""
+
+    def __init__(self, warmup, every_s: float = 5.0):
+        self.warmup, self.every_s, self.last = warmup, every_s, 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.warmup.update(done, total)
+        now = time.monotonic()
+        if done < total and now - self.last < self.every_s:
+            return
+        self.last = now
+        _, _, left = self.warmup.progress()
+        print(f"warm-up: {done} of {total} programs compiled, {now - self.warmup.started:.0f} s elapsed"
+              + (f", ~{left:.0f} s left" if left is not None and done < total else ""), file=sys.stderr, flush=True)
+
+
+def _load(metrics):
+    """The engine worker, its LLM loaded and (with --precompile) every program compiled; runs off the event loop."""
+    from engine.serving.worker import EngineWorker
+
+    llm = llm_from_flags()
+    if FLAGS.precompile:
+        t = time.perf_counter()
+        n = llm.engine.precompile(progress=_Progress(metrics.warmup))
+        print(f"precompiled {n} step shapes ({metrics.warmup.total} programs) in {time.perf_counter() - t:.1f} s",
+              flush=True)
+    return llm, EngineWorker(llm.engine, metrics)
+
+
+async def _serve(server) -> int:
+    """Listens at once, loads and warms the engine up (unless the server already has its worker), then serves
+    until SIGTERM or SIGINT; returns the exit status."""
     port = await server.start()
     http = None
     if FLAGS.metrics_port >= 0:
@@ -57,14 +96,50 @@ async def _serve(server) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"serving {FLAGS.model} on {FLAGS.host}:{port}"
-          + (f", metrics on {'https' if FLAGS.tls_cert else 'http'}://{FLAGS.host}:{http.server_port}/metrics"
-             if http else ""), flush=True)
-    await stop.wait()
-    print(f"shutting down (grace {FLAGS.grace_s:g} s)", flush=True)
+    where = f"{FLAGS.host}:{port}" + (
+        f", metrics on {'https' if FLAGS.tls_cert else 'http'}://{FLAGS.host}:{http.server_port}/metrics" if http else "")
+    status = 0
+    if server.worker is None:
+        print(f"listening on {where} (warming up)", flush=True)
+        status = await _warm_up(server, stop)
+    if status == 0 and not stop.is_set():
+        print(f"serving {FLAGS.model} on {where}", flush=True)
+        await stop.wait()
+    if status == 0:
+        print(f"shutting down (grace {FLAGS.grace_s:g} s)", flush=True)
     await server.stop(FLAGS.grace_s)
     if http is not None:
         http.shutdown()
+    return status
+
+
+async def _warm_up(server, stop: asyncio.Event) -> int:
+    """Loads the engine on a thread of its own and hands it to `server`, unless `stop` comes first; returns 0,
+    or 2 when the model or the flags are refused (the error printed)."""
+    loop = asyncio.get_running_loop()
+    loaded = loop.create_future()
+
+    def load():  # a daemon thread, not the loop's executor: a SIGTERM during warm-up exits without waiting
+        try:
+            result, error = _load(server.metrics), None
+        except Exception as e:  # noqa: BLE001 -- handed to the loop
+            result, error = None, e
+        loop.call_soon_threadsafe(lambda: loaded.done() or (
+            loaded.set_exception(error) if error else loaded.set_result(result)))
+
+    threading.Thread(target=load, name="warm-up", daemon=True).start()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loaded.done():
+        return 0
+    try:
+        llm, worker = loaded.result()
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    await server.ready(worker, llm.tokenizer)
+    return 0
 
 
 def main(argv):
@@ -73,8 +148,8 @@ def main(argv):
     if bool(FLAGS.tls_cert) != bool(FLAGS.tls_key):
         raise app.UsageError("--tls_cert and --tls_key go together")
     logging.set_verbosity(logging.WARNING)  # keep jax's backend probing (e.g. "no TPU") off stderr
+    from engine.serving.metrics import Metrics
     from engine.serving.server import GenerationServer, ServingLimits, Tenants, TLSConfig
-    from engine.serving.worker import EngineWorker
 
     tenants = None
     if FLAGS.auth_token_file:
@@ -85,23 +160,28 @@ def main(argv):
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
     try:
         limits = ServingLimits(FLAGS.max_request_bytes, FLAGS.max_score_inputs, FLAGS.max_score_tokens)
-        llm = llm_from_flags()
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except ValueError as e:
         print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    if FLAGS.precompile:
-        t = time.perf_counter()
-        n = llm.engine.precompile()
-        print(f"precompiled {n} step shapes in {time.perf_counter() - t:.1f} s", flush=True)
     from engine.distributed import is_leader
 
-    if not is_leader():
-        print(f"following process 0 (process {FLAGS.process_id} of {FLAGS.num_processes})", flush=True)
-        EngineWorker(llm.engine).follow()
-        return 0
-    asyncio.run(_serve(GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model,
-                                        host=FLAGS.host, port=FLAGS.port, tenants=tenants, tls=tls, limits=limits)))
-    return 0
+    if FLAGS.num_processes > 1:
+        # Every process loads and compiles before process 0 serves: the followers step with it.
+        try:
+            llm, worker = _load(Metrics())
+        except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 2
+        if not is_leader():
+            print(f"following process 0 (process {FLAGS.process_id} of {FLAGS.num_processes})", flush=True)
+            worker.follow()
+            return 0
+        server = GenerationServer(worker, llm.tokenizer, model_name=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
+                                  tenants=tenants, tls=tls, limits=limits)
+        return asyncio.run(_serve(server))
+    server = GenerationServer(None, None, model_name=FLAGS.model, host=FLAGS.host, port=FLAGS.port, tenants=tenants,
+                              tls=tls, limits=limits, metrics=Metrics())
+    return asyncio.run(_serve(server))
 
 
 if __name__ == "__main__":

@@ -142,6 +142,42 @@ def test_narrow_panels_and_xla_dot_compute_one_model(dtype):
         ck.unpack(ck.PackedWeight(layer.wqkv_panels[...], layer.wqkv_scales[...], layer.wqkv.shape[1]))))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_skinny_matmul_layers_reads_the_indexed_layer(dtype):
+    """The per-layer product inside a scan picks exactly `weights[layer]` (bitwise the plain kernel's result)
+    and refuses an index outside the layers at run time."""
+    rng = np.random.default_rng(3)
+    weights = [ck.pack(rng.standard_normal((64, 40)).astype(np.float32), dtype) for _ in range(3)]
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    fn = jax.jit(lambda x, layer: ck.skinny_matmul_layers(x, weights, layer))
+    for layer in range(3):
+        np.testing.assert_array_equal(np.asarray(fn(x, layer)), np.asarray(ck.skinny_matmul(x, weights[layer])))
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(fn(x, 3))
+    with pytest.raises(ValueError, match="one shape"):
+        ck.skinny_matmul_layers(x, [weights[0], ck.pack(np.ones((64, 24), np.float32), dtype)], 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_scan_computes_what_the_unrolled_layers_do(dtype, monkeypatch):
+    """With packed weights the layers run as one `lax.scan` (a step program compiles once per layer body, not
+    per layer); its hidden states are those of the unrolled loop over the same kernels, to fp32 rounding (XLA
+    fuses the dense attention's softmax differently inside a loop body; 4.8e-7 apart on this model)."""
+    from checkpoints import load_model
+    from model.llama import Llama
+    from training.data import dense_hidden
+
+    loaded = load_model("tiny-llama")
+    model = Llama(loaded.config, params=loaded.params)
+    model.pack_linears(dtype, max_rows=16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 250, (2, 8)), jnp.int32)
+    assert "scan" in str(jax.make_jaxpr(lambda t: dense_hidden(model, t))(tokens))
+    scanned = np.asarray(dense_hidden(model, tokens))
+    monkeypatch.setattr(Llama, "_layer_products", lambda self, x: None)
+    assert "scan" not in str(jax.make_jaxpr(lambda t: dense_hidden(model, t))(tokens))
+    np.testing.assert_allclose(scanned, np.asarray(dense_hidden(model, tokens)), rtol=0, atol=1e-5)
+
+
 def test_int8_draft_keeps_output_exact():
     """An int8-quantized draft changes acceptance only: the output is the target's (greedy)."""
     from checkpoints import load_model
@@ -168,6 +204,32 @@ def _cpu_has_amx() -> bool:
 
 # Skipped only on CPUs without AMX; a library that does not offer it on an AMX CPU fails.
 amx = pytest.mark.skipif(not _cpu_has_amx(), reason="the CPU has no AMX-BF16")
+
+
+@amx
+def test_amx_matmul_layers_reads_the_indexed_layer_and_the_layers_scan(monkeypatch):
+    """On AMX tiles as on the skinny kernel: the per-layer product picks exactly `weights[layer]`, and a model
+    packed for AMX runs its layers as a scan, to fp32 rounding of the unrolled loop."""
+    from checkpoints import load_model
+    from model.llama import Llama
+    from training.data import dense_hidden
+
+    rng = np.random.default_rng(4)
+    weights = [ck.pack_amx(rng.standard_normal((64, 40)).astype(np.float32), 3) for _ in range(3)]
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    fn = jax.jit(lambda x, layer: ck.amx_matmul_layers(x, weights, layer))
+    for layer in range(3):
+        np.testing.assert_array_equal(np.asarray(fn(x, layer)), np.asarray(ck.amx_matmul(x, weights[layer])))
+    with pytest.raises(Exception, match="layer index out of range"):
+        jax.block_until_ready(fn(x, -1))
+    loaded = load_model("tiny-llama")
+    model = Llama(loaded.config, params=loaded.params)
+    model.pack_linears("float32", amx_passes=3)
+    tokens = jnp.asarray(rng.integers(3, 250, (2, 8)), jnp.int32)
+    assert "scan" in str(jax.make_jaxpr(lambda t: dense_hidden(model, t))(tokens))
+    scanned = np.asarray(dense_hidden(model, tokens))
+    monkeypatch.setattr(Llama, "_layer_products", lambda self, x: None)
+    np.testing.assert_allclose(scanned, np.asarray(dense_hidden(model, tokens)), rtol=0, atol=1e-5)
 
 
 @amx

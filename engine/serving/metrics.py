@@ -26,11 +26,44 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2.5, 5)
 
 
+class Warmup:
+    """A server's start-up: programs compiled of those it will run, and whether it serves (any thread)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.done = self.total = 0
+        self.ready = False
+        self._first: tuple[float, int] | None = None  # (time, done) at the first progress report
+
+    def update(self, done: int, total: int) -> None:
+        with self._lock:
+            if self._first is None:
+                self._first = (time.monotonic(), done - 1)
+            self.done, self.total = done, total
+
+    def progress(self) -> tuple[int, int, float | None]:
+        """(programs compiled, of total, an estimate of the seconds left or None before the first one)."""
+        with self._lock:
+            done, total, first = self.done, self.total, self._first
+        if first is None or done <= first[1]:
+            return done, total, None
+        rate = (time.monotonic() - first[0]) / (done - first[1])
+        return done, total, rate * (total - done)
+
+
 class Metrics:
     """The engine's metrics. A fresh registry per instance, so several servers can share a process (tests)."""
 
     def __init__(self):
         self.registry = r = prom.CollectorRegistry()
+        self.warmup = Warmup()
+        prom.Gauge("engine_warmup_programs_compiled", "Programs compiled (or loaded from the compilation cache) "
+                   "during start-up.", registry=r).set_function(lambda: self.warmup.done)
+        prom.Gauge("engine_warmup_programs_total", "Programs the server compiles before it serves (0 before the "
+                   "model is loaded).", registry=r).set_function(lambda: self.warmup.total)
+        prom.Gauge("engine_ready", "1 once the server serves (gRPC health SERVING), 0 while it warms up.",
+                   registry=r).set_function(lambda: float(self.warmup.ready))
         self.ttft = prom.Histogram("engine_time_to_first_token_seconds",
                                    "Arrival of a request to its first generated token.", buckets=_TTFT_BUCKETS,
                                    registry=r)

@@ -16,7 +16,11 @@ Status codes: INVALID_ARGUMENT for bad requests (the message names the field),
 including requests over the size limits (`ServingLimits`) and messages that
 do not parse; UNAUTHENTICATED for a missing or wrong token;
 RESOURCE_EXHAUSTED when scoring finds too few free KV blocks; UNAVAILABLE for
-a Score during shutdown (a Generate then ends with FINISH_REASON_ABORT);
+every call while the server warms up (health NOT_SERVING; the message gives
+the progress and trailing metadata `grpc-retry-pushback-ms` when to retry:
+refused rather than held, so a caller learns at once, a load balancer keeps
+traffic elsewhere, and no call holds a connection for minutes) and for a
+Score during shutdown (a Generate then ends with FINISH_REASON_ABORT);
 INTERNAL when an engine step fails.
 """
 
@@ -37,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.inputs import check_token_ids, encode_prompt
 from engine.outputs import RequestOutput
 from engine.serving.auth import DEFAULT_TENANT, Tenants, TLSConfig, TokenAuthInterceptor
-from engine.serving.metrics import Metrics
+from engine.serving.metrics import Metrics, Warmup
 from engine.serving.protos import generate_pb2 as pb
 from engine.serving.worker import EngineFailedError, EngineStoppedError, EngineWorker
 from scheduler.block_manager import NoFreeBlocksError
@@ -207,14 +211,26 @@ class GenerationServicer:
       tenants: the tokens and their tenants (None: every caller is tenant "default").
     """
 
-    def __init__(self, worker: EngineWorker, tokenizer, model_name: str, limits: ServingLimits = ServingLimits(),
-                 tenants: Tenants | None = None):
-        self.worker = worker
+    def __init__(self, worker: EngineWorker | None, tokenizer, model_name: str, limits: ServingLimits = ServingLimits(),
+                 tenants: Tenants | None = None, metrics: Metrics | None = None, warmup: Warmup | None = None):
+        self.worker = worker  # None while the server warms up (`GenerationServer.ready` sets it)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
         self.tenants = tenants
-        self.metrics = worker.metrics  # counts the Generate requests refused here too
+        self.metrics = metrics or worker.metrics  # counts the Generate requests refused here too
+        self.warmup = warmup
+
+    async def _refuse_while_warming(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE, with gRPC's retry pushback (`grpc-retry-pushback-ms`, honoured by clients with a retry
+        policy) and the progress in the message, until the engine is ready."""
+        if self.worker is not None:
+            return
+        done, total, left = self.warmup.progress() if self.warmup else (0, 0, None)
+        wait = 5.0 if left is None else min(max(left, 1.0), 60.0)
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"the server is warming up ({done} of {total} programs compiled); retry in {wait:.0f} s",
+                            trailing_metadata=(("grpc-retry-pushback-ms", str(int(wait * 1000))),))
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         if self.tenants is None:
@@ -252,6 +268,7 @@ class GenerationServicer:
                 "num_tree_nodes": spec.num_tree_nodes or None}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._refuse_while_warming(context)
         try:
             self._check(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -281,6 +298,7 @@ class GenerationServicer:
                 self.worker.abort(stream)
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        await self._refuse_while_warming(context)
         limits = self.limits
         try:
             self._check(request)
@@ -316,6 +334,7 @@ class GenerationServicer:
         return encoded
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._refuse_while_warming(context)
         try:
             self._check(request)
             kind = request.WhichOneof("input")
@@ -331,6 +350,7 @@ class GenerationServicer:
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        await self._refuse_while_warming(context)
         try:
             self._check(request)
             check_token_ids(request.token_ids, self.worker.engine.model_config.vocab_size, "token ids")
@@ -341,6 +361,7 @@ class GenerationServicer:
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        await self._refuse_while_warming(context)
         try:
             self._check(request)
         except _BadRequest as e:
@@ -387,41 +408,48 @@ class GenerationServer:
     """The gRPC server around one model: the Generation service, health and reflection.
 
     Args:
-      worker: the worker that owns the engine (not started yet; `start()` starts it).
-      tokenizer: the model's tokenizer.
+      worker: the worker that owns the engine (not started yet; `start()` starts it), or None to start
+        listening before the model is loaded and compiled: health then says NOT_SERVING and every call gets
+        UNAVAILABLE with a retry hint until `ready(worker, tokenizer)`.
+      tokenizer: the model's tokenizer (None with worker None).
       model_name: reported by ModelInfo.
       host, port: where to listen; port 0 picks a free port (see `start()`).
       tenants: if set, calls must carry `authorization: Bearer <token>` of one of its tokens.
       tls: serve TLS with this certificate and key; None serves plaintext.
       limits: per-call limits.
+      metrics: the metrics to serve (default the worker's; give them with worker None).
 
-    `metrics` are the worker's Prometheus metrics (served by `engine.serve`).
+    `metrics` are the worker's Prometheus metrics (served by `engine.serve`); `metrics.warmup` is the
+    start-up progress.
     """
 
-    def __init__(self, worker: EngineWorker, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 tenants: Tenants | None = None, tls: TLSConfig | None = None,
-                 limits: ServingLimits = ServingLimits()):
+    def __init__(self, worker: EngineWorker | None, tokenizer, *, model_name: str, host: str = "127.0.0.1",
+                 port: int = 0, tenants: Tenants | None = None, tls: TLSConfig | None = None,
+                 limits: ServingLimits = ServingLimits(), metrics: Metrics | None = None):
         self.worker = worker
         self.tokenizer = tokenizer
-        self.metrics: Metrics = worker.metrics
+        self.metrics: Metrics = metrics or worker.metrics
         self.model_name = model_name
         self.tenants = tenants
         self.limits = limits
         self._address = f"{host}:{port}"
         self._tls = tls
         self._server: grpc.aio.Server | None = None
+        self._servicer: GenerationServicer | None = None
         self._health: health.aio.HealthServicer | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
-        """Starts the engine thread and the server; returns the bound port. Call on the serving event loop."""
+        """Starts the server (and the engine thread, if the worker was given); returns the bound port. Call
+        on the serving event loop."""
         interceptors = [TokenAuthInterceptor(self.tenants)] if self.tenants else []
         # gRPC's receive limit sits well above ours, so oversized requests get this server's clear error
         # (parsing a message costs milliseconds; what follows it is what the limit protects).
         receive = max(8 << 20, 4 * self.limits.max_request_bytes)
         self._server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", receive)])
-        servicer = GenerationServicer(self.worker, self.tokenizer, self.model_name, self.limits, self.tenants)
-        handlers = _method_handlers(servicer)
+        self._servicer = GenerationServicer(None, None, self.model_name, self.limits, self.tenants, self.metrics,
+                                            self.metrics.warmup)
+        handlers = _method_handlers(self._servicer)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         self._server.add_registered_method_handlers(SERVICE_NAME, handlers)
         self._health = health.aio.HealthServicer()
@@ -435,11 +463,21 @@ class GenerationServer:
             self.port = self._server.add_insecure_port(self._address)
         if self.port == 0:
             raise OSError(f"cannot listen on {self._address}")
-        self.worker.start()
         await self._server.start()
         for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.worker is not None:
+            await self.ready(self.worker, self.tokenizer)
         return self.port
+
+    async def ready(self, worker: EngineWorker, tokenizer) -> None:
+        """Starts `worker`'s engine thread and serves through it: health turns SERVING."""
+        self.worker, self.tokenizer = worker, tokenizer
+        worker.start()
+        self._servicer.tokenizer, self._servicer.worker = tokenizer, worker
+        self.metrics.warmup.ready = True
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float) -> None:
         """Graceful shutdown: health turns NOT_SERVING and new calls are refused; requests in flight
@@ -449,9 +487,10 @@ class GenerationServer:
         loop = asyncio.get_running_loop()
         stopping = asyncio.ensure_future(self._server.stop(grace + _FINAL_MESSAGE_S))
         deadline = loop.time() + grace
-        while self.worker.num_streams and loop.time() < deadline:
+        while self.worker is not None and self.worker.num_streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        await asyncio.to_thread(self.worker.stop)
+        if self.worker is not None:
+            await asyncio.to_thread(self.worker.stop)
         await stopping
         log.info("server stopped")
 
