@@ -204,17 +204,21 @@ def test_no_compilation_after_warmup():
 
 
 def test_precompile_and_compiles_stay_within_the_memory_map_limit(monkeypatch, caplog):
-    """XLA:CPU holds ~600 memory maps per step program (engine/compilation.py): precompile stops before the
-    process's limit, and a step that compiled near it drops the compiled programs."""
+    """XLA:CPU holds hundreds of memory maps per step program (engine/compilation.py): precompile refuses
+    programs that would pass the process's limit (it never drops programs it compiled), and a step that
+    compiled near it drops the compiled programs."""
     from engine import compilation
 
     llm = LLM("tiny-llama", num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
     eng = llm.engine
-    room = iter([True] * 5 + [False] * 100)  # room for the programs of 5 shapes
-    monkeypatch.setattr("engine.runner.maps_left", lambda programs: next(room))
-    with caplog.at_level("WARNING"):
-        assert eng.precompile() == 5
-    assert "precompiled 5 of 15 step shapes" in caplog.text
+    asked = []
+    monkeypatch.setattr("engine.runner.maps_left", lambda programs: asked.append(programs) or False)
+    monkeypatch.setattr("engine.runner.memory_maps", lambda: (60_000, 65_530))
+    before = eng.compilation_count()
+    with pytest.raises(RuntimeError, match="vm.max_map_count"):
+        eng.precompile()
+    # 15 step shapes, 6 Score programs (token buckets 1..32), 5 block-op buckets (1..16); nothing compiled
+    assert asked == [15 + 6 + 5] and eng.compilation_count() == before
     monkeypatch.undo()
 
     cleared = []
@@ -227,7 +231,7 @@ def test_precompile_and_compiles_stay_within_the_memory_map_limit(monkeypatch, c
     assert eng.compilation_count() > before
     assert cleared and "dropping the compiled programs" in caplog.text
     monkeypatch.setattr(compilation, "memory_maps", lambda: (10_000, 65_530))
-    assert compilation.maps_left(69) and not compilation.maps_left(70)  # 0.9 x 65530 = 58977 maps usable
+    assert compilation.maps_left(108) and not compilation.maps_left(109)  # 0.9 x 65530 = 58977 maps usable
     assert not compilation.release_if_near_limit(1)
 
 

@@ -24,17 +24,22 @@ def _timing_on(monkeypatch, tmp_path):
 
 
 def _slow_down(monkeypatch, isa: str) -> list[str]:
-    """Makes the skinny kernel's path `isa` sleep SLEEP_S after each product; returns the paths traced."""
-    real, traced = ck.skinny_matmul, []
+    """Makes the skinny kernel's path `isa` sleep SLEEP_S after each product (the head's, and each layer's in
+    the layers' scan); returns the paths traced."""
+    traced = []
 
-    def stub(x, p):
-        traced.append(p.isa)
-        y = real(x, p)
-        if p.isa != isa:
-            return y
-        return io_callback(lambda y: (time.sleep(SLEEP_S), np.asarray(y))[1], jax.ShapeDtypeStruct(y.shape, y.dtype), y)
+    def slowed(real, isa_of):
+        def stub(x, p, *layer):
+            traced.append(isa_of(p))
+            y = real(x, p, *layer)
+            if isa_of(p) != isa:
+                return y
+            return io_callback(lambda y: (time.sleep(SLEEP_S), np.asarray(y))[1], jax.ShapeDtypeStruct(y.shape, y.dtype),
+                               y)
+        return stub
 
-    monkeypatch.setattr(ck, "skinny_matmul", stub)
+    monkeypatch.setattr(ck, "skinny_matmul", slowed(ck.skinny_matmul, lambda p: p.isa))
+    monkeypatch.setattr(ck, "skinny_matmul_layers", slowed(ck.skinny_matmul_layers, lambda ps: ps[0].isa))
     return traced
 
 
