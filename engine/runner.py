@@ -368,7 +368,9 @@ class ModelRunner:
                       (self._score_seqs,), {s.request.request_id: 0 for s in seqs})
         padded = np.zeros(packed.token_ids.shape[0], np.int32)
         padded[:len(targets)] = targets
-        logprobs, greedy = self._score(packed, padded)
+        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), padded)
+        self.pools = (pool, *self.pools[1:])
+        logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
         out, t = [], 0
         for *_, m in chunks:
             out.append((logprobs[t:t + m], greedy[t:t + m]))
@@ -378,11 +380,6 @@ class ModelRunner:
     @property
     def _score_seqs(self) -> int:
         return self.seq_buckets[-1]
-
-    def _score(self, packed: PackedBatch, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), targets)
-        self.pools = (pool, *self.pools[1:])
-        return np.asarray(logprobs), np.asarray(greedy)
 
     # ---- compilation ----------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.llama import LAYER_PARAMS, AttendFn, Llama, keep_packed
+from model.llama import LAYER_PARAMS, AttendFn, Llama
+from model.packed import keep_packed
 
 FC = "eagle_fc"  # params key of the fusion layer, float `[2E, E]`
 

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.llama import keep_packed, packed_product, packed_weight
+from model.packed import keep_packed, packed_product, packed_weight
 
 W = "medusa_w"  # float `[K, E, E]`
 B = "medusa_b"  # float `[K, E]`

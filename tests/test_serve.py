@@ -9,11 +9,8 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -85,53 +82,6 @@ def test_health_reflection_model_info(server, client, llm):
     assert info.vocab_size == 256 and list(info.eos_token_ids) == [2] and list(info.speculation_kinds) == []
     assert info.max_logprobs == 20 and info.num_blocks == 64 and info.max_num_seqs == 8
     assert json.loads(info.config_json)["num_layers"] == 2
-
-
-def test_a_warming_server_answers_health_and_refuses_calls_until_ready():
-    """Listening before the engine exists (what `engine.serve` does while it loads and compiles): health says
-    NOT_SERVING, every call gets UNAVAILABLE with gRPC's retry pushback and the progress, the warm-up gauges
-    show it; after `ready` health says SERVING and calls are served."""
-    from engine.serving.metrics import Metrics
-    from engine.serving.server import GenerationServer
-    from engine.serving.worker import EngineWorker
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    run = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # noqa: E731
-    llm = LLM("tiny-llama", **LIMITS)  # its own engine: the module's server runs a worker on the shared one
-    metrics = Metrics()
-    server = GenerationServer(None, None, model_name="tiny-llama", metrics=metrics)
-    try:
-        port = run(server.start())
-        metrics.warmup.update(3, 10)
-        page = lambda: prometheus_text(metrics)  # noqa: E731
-        assert "engine_ready 0.0" in page() and "engine_warmup_programs_compiled 3.0" in page()
-        assert "engine_warmup_programs_total 10.0" in page()
-        with Client(f"127.0.0.1:{port}") as c:
-            assert c.health() == "NOT_SERVING" and c.health(SERVICE_NAME) == "NOT_SERVING"
-            for call in (lambda: c.generate("hi", max_tokens=2), c.model_info, lambda: c.tokenize("hi"),
-                         lambda: c.score(["hi"]), lambda: c.detokenize([104])):
-                with pytest.raises(grpc.RpcError) as e:
-                    call()
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert "warming up (3 of 10 programs compiled)" in e.value.details()
-                pushback = dict(e.value.trailing_metadata())["grpc-retry-pushback-ms"]
-                assert 1000 <= int(pushback) <= 60000
-            run(server.ready(EngineWorker(llm.engine, metrics), llm.tokenizer))
-            assert c.health() == "SERVING" and c.health(SERVICE_NAME) == "SERVING"
-            assert "engine_ready 1.0" in page()
-            assert len(c.generate("hi", max_tokens=3, ignore_eos=True).token_ids) == 3
-    finally:
-        run(server.stop(grace=1))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
-def prometheus_text(metrics) -> str:
-    import prometheus_client
-
-    return prometheus_client.generate_latest(metrics.registry).decode()
 
 
 class _AddToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
@@ -494,45 +444,6 @@ def test_real_model_over_grpc_equals_offline_with_split_characters():
         held_back += sum(1 for m in messages if m.token_ids and not m.text)
     assert any(ord(ch) > 0x3000 for ch in want[0].text), want[0].text  # CJK in the greedy answer
     assert held_back > 0
-
-
-# ---- the command-line server ---------------------------------------------------------------
-
-def test_serve_exits_cleanly_on_sigterm(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN + "\n")
-    cmd = [sys.executable, "-m", "engine.serve", "--model=tiny-llama", "--port=0", "--metrics_port=0",
-           "--grace_s=0.5", f"--auth_token_file={token_file}", "--num_blocks=64", "--max_num_seqs=4",
-           "--max_num_batched_tokens=32", f"--compilation_cache_dir={tmp_path / 'xla'}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=ROOT))
-    try:
-        line = proc.stdout.readline()  # at once, before the model loads
-        assert line.startswith("listening on 127.0.0.1:") and line.endswith(" (warming up)\n"), line + proc.stderr.read()
-        target = line.split(" on ")[1].split(",")[0]
-        metrics = urllib.request.Request(line.split("metrics on ")[1].split()[0],
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
-        line = proc.stdout.readline()
-        assert line.startswith("precompiled "), line + proc.stderr.read()  # --precompile is the default
-        line = proc.stdout.readline()
-        assert line.startswith(f"serving tiny-llama on {target}"), line + proc.stderr.read()
-        page = urllib.request.urlopen(metrics, timeout=10).read().decode()
-        total = float(next(line.split()[1] for line in page.splitlines()
-                           if line.startswith("engine_warmup_programs_total ")))
-        assert total > 0 and f"engine_warmup_programs_compiled {total}" in page and "engine_ready 1.0" in page
-        with Client(target, auth_token=TOKEN) as c:
-            assert c.generate("hi", max_tokens=3, ignore_eos=True).finish_reason == "length"
-            assert "engine_generated_tokens_total 3.0" in urllib.request.urlopen(metrics, timeout=10).read().decode()
-            stream = c.generate_stream(list(range(3, 20)), max_tokens=230, ignore_eos=True, temperature=0)
-            next(stream)
-            proc.send_signal(signal.SIGTERM)
-            # Finished within the grace period, or aborted after it with a last message saying so.
-            assert list(stream)[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT)
-        assert proc.wait(timeout=30) == 0
-        assert "shutting down (grace 0.5 s)" in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_generated_proto_code_is_up_to_date(tmp_path):
