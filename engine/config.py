@@ -47,6 +47,9 @@ class EngineConfig:
     # Devices the target's weights and KV pool split over (Megatron-style tensor parallelism; the draft or
     # EAGLE head is replicated). `kv_cache_bytes` is per device.
     tensor_parallel_size: int = 1
+    # Async scheduling: the next step is scheduled and dispatched before this one's tokens are read back, so
+    # the host's work hides behind the device's (steps without a proposer; `Engine.step`).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -120,6 +120,7 @@ class Engine:
         self._samples: dict[str, list[Request]] = {}  # n > 1 requests after their fork: the samples
         self.stats = EngineStats()
         self.on_step: Callable[[StepTiming], None] | None = None
+        self._ahead: tuple | None = None  # async scheduling: the step dispatched ahead (`_dispatch_ahead`)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -221,6 +222,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
+        if self.proposer is None and self.config.async_scheduling:
+            return self._step_ahead()
         timing = StepTiming()
         t0 = time.perf_counter()
         compiled = compilation_count()
@@ -259,6 +262,71 @@ class Engine:
             self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, work)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
+        return outputs
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """One step under async scheduling (vLLM's async scheduling, SGLang's overlap scheduler): the next step
+        is scheduled, packed and dispatched before this one's tokens are read back, so the host's work runs while
+        the device computes. The next step takes this one's sampled tokens on the device (`make_step`'s feed); a
+        request that this step ends (EOS, a stop string) has a row there that is dropped, and one that its
+        `max_tokens` or the context limit ends is not scheduled again."""
+        timing = StepTiming()
+        compiled = compilation_count()
+        if self._ahead is None:
+            self._ahead = self._dispatch_ahead(timing, None)
+        current, self._ahead = self._ahead, None
+        outputs = []
+        if current is not None:
+            self._ahead = self._dispatch_ahead(timing, current)
+            plan, flight, _ = current
+            result = self.runner.collect(flight, timing)
+            t = time.perf_counter()
+            outputs = self._collect(plan, result)
+            timing.update = time.perf_counter() - t
+            timing.num_tokens, timing.num_seqs = flight.num_tokens, flight.num_seqs
+        self.stats.add(timing)
+        _, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
+        if compiled:
+            release_if_near_limit(len(self.runner.spec_ks))
+        if current is not None and self.on_step is not None:
+            self.on_step(timing)
+        return outputs
+
+    def _dispatch_ahead(self, timing: StepTiming, before: tuple | None) -> tuple | None:
+        """Schedules, packs and dispatches a plain step after `before` (the step in flight, or None); commits it
+        ahead (`Scheduler.commit_ahead`). Returns (plan, in-flight step, {request id: sampling row}) or None."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule(None)
+        t1 = time.perf_counter()
+        self.runner.apply_block_ops(plan)
+        for parent, children in plan.forks:
+            self._fork(parent, children)
+        t2 = time.perf_counter()
+        timing.schedule += t1 - t0
+        timing.block_ops += t2 - t1
+        if not plan.seqs:
+            return None
+        seeds = {s.request.request_id: self._states[s.request.request_id].seed for s in plan.seqs}
+        packed = self.runner.pack(plan, seeds, pending=before[2] if before is not None else None)
+        timing.pack += time.perf_counter() - t2
+        flight = self.runner.dispatch(packed, None, timing)
+        self.scheduler.commit_ahead(plan)
+        return plan, flight, {s.request.request_id: i for i, s in enumerate(plan.seqs) if s.sample}
+
+    def _collect(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
+        """`_update` for a step committed ahead: appends each sampling row's token, drops those of requests
+        that finished while it ran."""
+        self.stats.num_steps += 1
+        outputs = []
+        for i, s in enumerate(plan.seqs):
+            r = s.request
+            if not self.scheduler.collect(r, s.sample) or not s.sample:
+                continue
+            r.num_target_steps += 1
+            n = r.sampling.logprobs
+            token = int(result.tokens[i, 0])
+            logprobs = [_logprob_entry(result.sampled, i, 0, n)] if n is not None else None
+            outputs.append(self._append(self._states[r.request_id], [token], logprobs))
         return outputs
 
     def _draft_len(self, request: Request) -> int:

@@ -59,6 +59,8 @@ flags.DEFINE_integer("process_id", 0, "This process's index, 0 .. --num_processe
 flags.DEFINE_string("compilation_cache_dir", "default", "Where compiled programs are kept across restarts (JAX's "
                     "persistent compilation cache); 'default': $JAX_COMPILATION_CACHE_DIR, else "
                     "~/.cache/jax-spec-engine/xla; '' keeps none.")
+flags.DEFINE_bool("async_scheduling", True, "Schedule and dispatch the next step before this one's tokens are read "
+                  "back, hiding the host's work behind the device's (steps without speculation).")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
 
@@ -93,4 +95,5 @@ def llm_from_flags():
                ngram_in_tree=FLAGS.ngram_in_tree,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-               max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size)
+               max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size,
+               async_scheduling=FLAGS.async_scheduling)

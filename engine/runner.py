@@ -36,7 +36,7 @@ from engine.distributed import check_same_batch
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_step
-from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
+from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, to_device,
                          make_step, replicate, scatter_blocks, tensor_parallel_mesh)
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
@@ -144,6 +144,18 @@ class EngineStats:
 
 
 @dataclasses.dataclass
+class InFlight:
+    """A dispatched step whose outputs are still on the device (`ModelRunner.dispatch`, `collect`)."""
+
+    sampled: Sampled
+    num_emitted: jax.Array | None
+    path_rank: jax.Array | None
+    num_tokens: int  # token bucket T
+    num_seqs: int  # sequence bucket S
+    want_logprobs: bool
+
+
+@dataclasses.dataclass
 class StepOutput:
     """A step's results on the host.
 
@@ -221,6 +233,8 @@ class ModelRunner:
         self.block_op_buckets = power_of_two_buckets(max(config.max_num_seqs, max_blocks_per_seq))
         self._attention = resolve_attention(config.attention)
         self._step = make_step(self.graphdef, self._attention)
+        # The last plain step's sampled tokens, on the device (`make_step`'s feed; zeros before the first).
+        self._fed = replicate(jax.device_put(np.zeros(self.seq_buckets[-1], np.int32)), self.mesh)
         # The speculative programs by K, looked up here: their makers' caches hash the model graphs, which
         # took ~4 ms of host time a step.
         self._spec_steps: dict[int, Callable] = {}
@@ -242,17 +256,18 @@ class ModelRunner:
     # ---- the step -------------------------------------------------------------------------
 
     def pack(self, plan: StepPlan, seeds: dict[str, int], spec_k: int | None = None,
-             proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None) -> PackedBatch:
+             proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None,
+             pending: dict[str, int] | None = None) -> PackedBatch:
         """`plan` padded into its bucket (see `scheduler.packing.pack`)."""
         return pack(plan, self.config.block_size, self.max_blocks_per_seq, self.token_buckets, self.seq_buckets,
-                    seeds, spec_k, proposals, parents)
+                    seeds, spec_k, proposals, parents, pending)
 
     def padding_batch(self, T: int, S: int, spec_k: int | None = None) -> PackedBatch:
         """A batch of shape (T, S) with no real tokens: it only writes to the reserved block."""
         return pack(StepPlan([], []), 1, self.max_blocks_per_seq, (T,), (S,), {}, spec_k)
 
-    def execute(self, batch: StepBatch, spec: SpecBatch | None,
-                spec_k: int | None) -> tuple[Sampled, jax.Array | None, jax.Array | None]:
+    def execute(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None,
+                feed_index: np.ndarray | None = None) -> tuple[Sampled, jax.Array | None, jax.Array | None]:
         """Runs the step program on device inputs; returns device `(sampled, num_emitted int32 [S], path_rank)`
         (`StepOutput`).
 
@@ -262,9 +277,9 @@ class ModelRunner:
         proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
         replaced.
         """
-        step, args = self._program(batch, spec, spec_k)
+        step, args = self._program(batch, spec, spec_k, feed_index)
         if spec_k is None:
-            sampled, pool = step(*args)
+            sampled, pool, self._fed = step(*args)
             self.pools = (pool, *self.pools[1:])
             return sampled, None, None
         if not self.proposer.on_device:
@@ -275,10 +290,11 @@ class ModelRunner:
         self.pools = tuple(pools)
         return sampled, num_emitted, path_rank
 
-    def _program(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None) -> tuple[Callable, tuple]:
+    def _program(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None,
+                 feed_index: np.ndarray | None = None) -> tuple[Callable, tuple]:
         """The jitted step program for `spec_k` and its arguments (see `execute`)."""
         if spec_k is None:
-            return self._step, (self.state, self.pools[0], batch)
+            return self._step, (self.state, self.pools[0], batch, (self._fed, feed_index))
         step = self._spec_steps.get(spec_k)
         if step is None:
             if self.proposer.on_device:
@@ -296,25 +312,42 @@ class ModelRunner:
 
         Fills `timing`'s shape, `to_device` and `device` fields if given.
         """
+        return self.collect(self.dispatch(packed, spec_k, timing), timing)
+
+    def dispatch(self, packed: PackedBatch, spec_k: int | None, timing: StepTiming | None = None) -> InFlight:
+        """Copies `packed` to the device and starts its step program; returns at once (JAX dispatches
+        asynchronously). A plain step's `packed.feed_index` tokens come from the step dispatched before it."""
         t0 = time.perf_counter()
         check_same_batch(packed)
-        batch = StepBatch.from_packed(packed)
-        spec = SpecBatch.from_packed(packed.spec) if spec_k is not None else None
+        batch = to_device(StepBatch, packed)
+        spec = to_device(SpecBatch, packed.spec) if spec_k is not None else None
+        feed_index = packed.feed_index
+        if feed_index is None:
+            feed_index = np.full(packed.token_ids.shape[0], -1, np.int32)
         t1 = time.perf_counter()
-        sampled, num_emitted, path_rank = self.execute(batch, spec, spec_k)
-        S = packed.seq_lens.shape[0]
+        sampled, num_emitted, path_rank = self.execute(batch, spec, spec_k, feed_index)
+        if timing is not None:
+            timing.num_tokens, timing.num_seqs, timing.spec_k = packed.token_ids.shape[0], packed.seq_lens.shape[0], spec_k
+            timing.to_device, timing.device = t1 - t0, time.perf_counter() - t1
+        return InFlight(sampled, num_emitted, path_rank, packed.token_ids.shape[0], packed.seq_lens.shape[0],
+                        bool(packed.want_logprobs.any()))
+
+    def collect(self, flight: InFlight, timing: StepTiming | None = None) -> StepOutput:
+        """Waits for a dispatched step and reads its outputs back (the step's one read back); adds the wait to
+        `timing.device`."""
+        t0 = time.perf_counter()
+        S, num_emitted = flight.num_seqs, flight.num_emitted
         if num_emitted is None:
             num_emitted = np.ones(S, np.int32)
-        if not packed.want_logprobs.any():
-            tokens, num_emitted, path_rank = jax.device_get((sampled.tokens, num_emitted, path_rank))
+        if not flight.want_logprobs:
+            tokens, num_emitted, path_rank = jax.device_get((flight.sampled.tokens, num_emitted, flight.path_rank))
             out = StepOutput(tokens.reshape(S, -1), num_emitted, None, path_rank)
         else:
-            sampled, num_emitted, path_rank = jax.device_get((sampled, num_emitted, path_rank))
+            sampled, num_emitted, path_rank = jax.device_get((flight.sampled, num_emitted, flight.path_rank))
             sampled = jax.tree.map(lambda x: x.reshape(S, -1, *x.shape[1:]), sampled)
             out = StepOutput(sampled.tokens, num_emitted, sampled, path_rank)
         if timing is not None:
-            timing.num_tokens, timing.num_seqs, timing.spec_k = packed.token_ids.shape[0], S, spec_k
-            timing.to_device, timing.device = t1 - t0, time.perf_counter() - t1
+            timing.device += time.perf_counter() - t0
         return out
 
     # ---- block operations -----------------------------------------------------------------
@@ -368,7 +401,7 @@ class ModelRunner:
                       (self._score_seqs,), {s.request.request_id: 0 for s in seqs})
         padded = np.zeros(packed.token_ids.shape[0], np.int32)
         padded[:len(targets)] = targets
-        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], StepBatch.from_packed(packed), padded)
+        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], to_device(StepBatch, packed), padded)
         self.pools = (pool, *self.pools[1:])
         logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
         out, t = [], 0
@@ -417,11 +450,12 @@ class ModelRunner:
         def compile_ahead(job) -> None:
             T, S, K = job
             packed = self.padding_batch(T, S if K != "score" else self._score_seqs, None if K == "score" else K)
-            batch = StepBatch.from_packed(packed)
+            batch = to_device(StepBatch, packed)
             if K == "score":
                 fn, args = self._score_step, (self.state, self.pools[0], batch, np.zeros(T, np.int32))
             else:
-                fn, args = self._program(batch, SpecBatch.from_packed(packed.spec) if K is not None else None, K)
+                fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if K is not None else None, K,
+                                         np.full(T, -1, np.int32))
             fn.lower(*args).compile()
             tick()
 

@@ -10,14 +10,13 @@ sequence of n tokens costs one prefill of n tokens.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 
-from engine.step import KVPool, StepBatch, paged_attend
+from engine.step import KVPool, StepBatch, paged_attend, step_program
 
 
 @dataclasses.dataclass
@@ -50,7 +49,7 @@ def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
     The pool is donated.
     """
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @step_program(donate_argnums=(1,))
     def score_step(state, pool: KVPool, batch: StepBatch, targets: jax.Array):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attention), pool)

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from engine.sampler import sample
-from engine.step import KVPool, StepBatch, paged_attend, to_device, token_logprobs
+from engine.step import KVPool, StepBatch, paged_attend, step_program, to_device, token_logprobs
 from engine.tree_verify import move_path_kv, verify_tree_coupled
 from engine.verify import sample_draft, verify, verify_deterministic
 
@@ -78,7 +78,8 @@ class SpecBatch:
 
     @classmethod
     def from_packed(cls, spec) -> SpecBatch:
-        return to_device(cls, spec)
+        """On the device, field by field (step programs take `to_device(SpecBatch, spec)` instead)."""
+        return to_device(cls, spec).unpack()
 
 
 def _single_token_batch(batch: StepBatch, tokens: jax.Array, positions: jax.Array, slots: jax.Array,
@@ -107,7 +108,7 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
     draft's KV in step with the target's and samples as `make_step` does.
     """
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    @step_program(donate_argnums=(2, 3))
     def step(target_state, draft_state, pool: KVPool, draft_pool: KVPool, batch: StepBatch, spec: SpecBatch):
         draft = nnx.merge(draft_graphdef, draft_state)
         target = nnx.merge(target_graphdef, target_state)
@@ -175,7 +176,7 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
     pass but keeps the feature pool and the head's KV up to date.
     """
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+    @step_program(donate_argnums=(2, 3, 4))
     def step(target_state, head_state, pool: KVPool, head_pool: KVPool, features: FeaturePool, batch: StepBatch,
              spec: SpecBatch):
         head = nnx.merge(head_graphdef, head_state)
@@ -266,7 +267,7 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
     """
     k, levels = eagle_tree_shape(K, branching, max_depth)
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3, 4))
+    @step_program(donate_argnums=(2, 3, 4))
     def step(target_state, head_state, pool: KVPool, head_pool: KVPool, features: FeaturePool, batch: StepBatch,
              spec: SpecBatch):
         head = nnx.merge(head_graphdef, head_state)
@@ -491,7 +492,7 @@ def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int)
     is deterministic (a one-hot `p`), verified by `engine.verify.verify_deterministic` (the output equals
     that without speculation). Outputs as `make_spec_step`'s; the pool is donated."""
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @step_program(donate_argnums=(1,))
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         return _target_verify(target, pool, batch, spec, batch.token_ids, spec.draft_tokens, None, attention)[:3]
@@ -541,7 +542,7 @@ def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K:
     output equals decoding without speculation), and the accepted path's KV is moved to positions
     root + 1, root + 2, ... before the program returns. Outputs as `make_spec_step`'s; the pool is donated."""
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
+    @step_program(donate_argnums=(1,))
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         return _tree_verify(target, pool, batch, spec, batch.token_ids, K, attention)[:3]
@@ -568,7 +569,7 @@ def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef
     heads_of, ranks_of = (jnp.asarray(x, jnp.int32) for x in tree)
     n = max(tree[1]) + 1 if K else 0
 
-    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    @step_program(donate_argnums=(2, 3))
     def step(target_state, heads_state, pool: KVPool, features: FeaturePool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         token_ids = batch.token_ids

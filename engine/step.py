@@ -170,33 +170,54 @@ class StepBatch:
 
     @classmethod
     def from_packed(cls, packed) -> "StepBatch":
-        return to_device(cls, packed)
+        """On the device, field by field (step programs take `to_device(StepBatch, packed)` instead)."""
+        return to_device(cls, packed).unpack()
 
 
-def to_device(cls, host):
-    """`cls` (a `struct.dataclass` of int32, uint32, float32 and bool arrays) holding `host`'s fields of the
-    same names, copied to the device as one int32 buffer and split there by a small program per layout:
-    ~30 us a step, where a copy per field took ~0.5 ms at batch 1 on CPU."""
+def to_device(cls, host) -> "Packed":
+    """`host`'s fields named as `cls`'s (a `struct.dataclass` of int32, uint32, float32 and bool arrays) as one
+    `Packed` int32 buffer: a program made with `step_program` takes it in one transfer and unpacks it inside
+    (a copy per field took ~0.5 ms at batch 1 on CPU, a separate splitting program ~0.1-0.3 ms)."""
     arrays = [np.asarray(getattr(host, name)) for name in cls.__dataclass_fields__]
     layout = tuple((name, a.shape, a.dtype.str) for name, a in zip(cls.__dataclass_fields__, arrays))
     flat = np.concatenate([(a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32)).ravel() for a in arrays])
-    return _splitter(cls, layout)(flat)
+    return Packed(cls, layout, flat)
 
 
-@functools.cache
-def _splitter(cls, layout: tuple[tuple[str, tuple[int, ...], str], ...]):
-    """The jitted inverse of `to_device`'s packing for one layout ((name, shape, dtype) per field)."""
-    @jax.jit
-    def split(flat: jax.Array):
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A `cls` instance as one int32 array `flat` and its static `layout` ((name, shape, dtype) per field)."""
+
+    def __init__(self, cls, layout: tuple[tuple[str, tuple[int, ...], str], ...], flat):
+        self.cls, self.layout, self.flat = cls, layout, flat
+
+    def tree_flatten(self):
+        return (self.flat,), (self.cls, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*aux, children[0])
+
+    def unpack(self):
+        """The `cls` instance (inside a program: slices of the traced buffer)."""
         fields, start = {}, 0
-        for name, shape, dtype in layout:
+        for name, shape, dtype in self.layout:
             size = int(np.prod(shape))
-            x, start = flat[start:start + size].reshape(shape), start + size
+            x, start = self.flat[start:start + size].reshape(shape), start + size
             dtype = np.dtype(dtype)
             fields[name] = (x != 0 if dtype == np.bool_ else x if dtype == np.int32
                             else jax.lax.bitcast_convert_type(x, dtype))
-        return cls(**fields)
-    return split
+        return self.cls(**fields)
+
+
+def step_program(donate_argnums: tuple[int, ...] = ()):
+    """`jax.jit` for a step program whose batch arguments may come as `Packed` (unpacked inside)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def unpacked(*args):
+            return fn(*(a.unpack() if isinstance(a, Packed) else a for a in args))
+        return jax.jit(unpacked, donate_argnums=donate_argnums)
+    return wrap
 
 
 @struct.dataclass
@@ -259,20 +280,31 @@ def forward_logits(model, pool: KVPool, batch: StepBatch, attention: Callable):
 
 @functools.cache
 def make_step(graphdef: nnx.GraphDef, attention: Callable):
-    """Returns the jitted `step(state, pool, batch) -> (Sampled, pool)`.
+    """Returns the jitted `step(state, pool, batch, feed=None) -> (Sampled, pool)`, or `(Sampled, pool, fed)`
+    with a feed.
 
     The weights (`state`) are an argument, not a constant; the pool is donated
     so KV writes happen in place. Cached on (graphdef, attention), so engines
     of the same model in one process share compiled programs.
+
+    `feed`: (int32 `[F]` tokens sampled by the step before, still on the device; int32 `[T]` index into them
+    per token, -1 to keep `batch.token_ids`), so a step can be dispatched before the host has seen the step
+    before it (async scheduling). `fed`: this step's tokens in the same `[F]` form (zeros past its S rows).
     """
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(state, pool: KVPool, batch: StepBatch):
+    @step_program(donate_argnums=(1,))
+    def step(state, pool: KVPool, batch: StepBatch, feed=None):
         model = nnx.merge(graphdef, state)
+        if feed is not None:
+            prev, index = feed
+            batch = batch.replace(token_ids=jnp.where(index >= 0, prev[jnp.maximum(index, 0)], batch.token_ids))
         logits, pool = forward_logits(model, pool, batch, attention)
         tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds,
                         batch.seq_lens)
-        return token_logprobs(logits, tokens, batch.want_logprobs), pool
+        sampled = token_logprobs(logits, tokens, batch.want_logprobs)
+        if feed is None:
+            return sampled, pool
+        return sampled, pool, jnp.zeros_like(feed[0]).at[:tokens.shape[0]].set(tokens)
 
     return step
 

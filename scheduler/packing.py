@@ -47,6 +47,8 @@ class PackedBatch:
     want_logprobs: np.ndarray  # bool [S]; the step computes log-probabilities only if any is set
     num_seqs: int  # real sequences (the rest is padding)
     spec: SpecArrays | None = None  # present when the step runs with a draft model
+    # int32 [T]: for a token the step in flight samples (async scheduling), its row there; -1 elsewhere
+    feed_index: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +73,8 @@ class SpecArrays:
 
 def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets: tuple[int, ...],
          seq_buckets: tuple[int, ...], seeds: dict[str, int], spec_k: int | None = None,
-         proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None) -> PackedBatch:
+         proposals: dict[str, list[int]] | None = None, parents: dict[str, list[int]] | None = None,
+         pending: dict[str, int] | None = None) -> PackedBatch:
     """Packs `plan` into the smallest (token, sequence) bucket that holds it.
 
     `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
@@ -81,6 +84,8 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     `num_draft` each); None leaves the placeholders to a device proposer.
     `parents`: for proposals that are token trees, each node's parent (0 is
     the row's last accepted token, nodes are 1..num_draft); absent: a chain.
+    `pending`: for requests whose last token a step in flight samples (`Request.num_pending_tokens`), that
+    step's row; the token goes in as `feed_index` (the device fills it in).
     Raises ValueError for draft tokens without `spec_k`, a proposal of the wrong length or a tree that is
     not one (a parent not before its child) or whose window passes the 32 tokens a tree mask covers.
     """
@@ -108,6 +113,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     draft_tokens = np.zeros((S, K), np.int32)
     tree_parents = np.full((S, K + 1), -1, np.int32)
     tree_mask = np.full(T, -1, np.int32)
+    feed_index = np.full(T, -1, np.int32)
     t = 0
     for i, s in enumerate(plan.seqs):
         r = s.request
@@ -115,7 +121,10 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         real_end = end - s.num_draft  # the placeholders stay 0 here
         blocks = np.asarray(r.allocation.block_ids, np.int32)
         pos = np.arange(s.start, end, dtype=np.int32)
-        token_ids[t:t + real_end - s.start] = r.token_ids(s.start, real_end)
+        known = min(real_end, r.num_tokens - r.num_pending_tokens)
+        token_ids[t:t + known - s.start] = r.token_ids(s.start, known)
+        if known < real_end:  # one token, sampled by the step in flight
+            feed_index[t + known - s.start] = pending[r.request_id]
         positions[t:t + s.num_new_tokens] = pos
         slots = blocks[pos // block_size] * block_size + pos % block_size
         slot_mapping[t:t + s.num_new_tokens] = slots
@@ -162,7 +171,8 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     elif any(s.num_draft for s in plan.seqs):
         raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs, spec)
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs, spec,
+                       feed_index)
 
 
 TREE_WINDOW = 32  # step tokens a tree mask covers (pallas_kernels.reference.TREE_WINDOW; no jax here)

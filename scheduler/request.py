@@ -152,6 +152,9 @@ class Request:
     num_accepted_tokens: int = 0
     num_target_steps: int = 0  # steps that emitted tokens for this request
     request_class: str = "default"  # acceptance rates are tracked per class
+    # Tokens that dispatched steps sample, not yet on the host (async scheduling: up to 2, the step being read
+    # back and the one dispatched ahead of it); counted in `num_tokens`.
+    num_pending_tokens: int = 0
 
     @property
     def is_parent(self) -> bool:
@@ -172,7 +175,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def finished(self) -> bool:
@@ -186,6 +189,7 @@ class Request:
             return FinishReason.STOP
         if token_id in sp.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_token_ids) >= sp.max_tokens or self.num_tokens >= max_model_len:
+        if (len(self.output_token_ids) >= sp.max_tokens
+                or len(self.prompt_token_ids) + len(self.output_token_ids) >= max_model_len):
             return FinishReason.LENGTH
         return None

@@ -117,7 +117,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: (_missing(r) > 1, _order(r))):
             if budget == 0:
                 break
-            if request.status is RequestStatus.RUNNING:
+            if request.status is RequestStatus.RUNNING and not self._ends_when_collected(request):
                 n = min(_missing(request), budget)
                 k = self._draft_len(request, budget, draft_len) if draft_len and _may_draft(request) else 0
                 budget -= self._schedule_running(request, n + k, plan, k)
@@ -218,6 +218,8 @@ class Scheduler:
         return need <= self.blocks.num_free_blocks - reserve
 
     def _swap_in(self, request: Request, budget: int, plan: StepPlan) -> int:
+        if request.num_pending_tokens:  # preempted with a token in flight: back once it is on the host
+            return 0
         n = min(_missing(request), budget)
         if not self._room(self.blocks.blocks_needed(None, request.num_computed_tokens + n)):
             return 0
@@ -233,7 +235,7 @@ class Scheduler:
 
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> int:
         """Admits the first waiting request (prefix cache first); returns tokens scheduled (0: stop admitting)."""
-        if self._num_slots() + _width(request) > self.config.max_num_seqs:
+        if self._num_slots() + _width(request) > self.config.max_num_seqs or request.num_pending_tokens:
             return 0
         tokens = request.token_ids(0, request.num_tokens)
         allocation, cached = self.blocks.match_prefix(tokens, request.num_tokens - 1, request.cache_salt)
@@ -277,6 +279,34 @@ class Scheduler:
             if s.num_draft:
                 self.blocks.truncate(r.allocation, r.num_computed_tokens)
             self.blocks.cache_blocks(r.allocation, r.token_ids, r.num_computed_tokens)
+
+    def commit_ahead(self, plan: StepPlan) -> None:
+        """Marks a plain step's tokens as computed when it is dispatched, before its tokens reach the host (async
+        scheduling): each sampling row's request counts its next token as pending (`Request.num_pending_tokens`)
+        until `collect` appends it. Full blocks are cached by `collect`, which knows their tokens."""
+        for s in plan.seqs:
+            if s.num_draft:
+                raise ValueError("commit_ahead: a step with draft tokens commits after its verify")
+            s.request.num_computed_tokens = s.start + s.num_new_tokens
+            s.request.num_pending_tokens += s.sample
+
+    def collect(self, request: Request, sampled: bool) -> bool:
+        """A committed-ahead step's outputs reached the host: caches the request's full blocks whose tokens are
+        known, and for a `sampled` row takes its pending token (call before appending it). Returns False where
+        the request finished while the step ran (its token is dropped)."""
+        if request.finished:
+            return False
+        request.num_pending_tokens -= sampled
+        if request.status is RequestStatus.RUNNING:
+            known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
+            self.blocks.cache_blocks(request.allocation, request.token_ids, known)
+        return True
+
+    def _ends_when_collected(self, request: Request) -> bool:
+        """A pending token takes the request to `max_tokens` or the context limit: nothing more to schedule."""
+        return bool(request.num_pending_tokens) and (
+            len(request.output_token_ids) + request.num_pending_tokens >= request.sampling.max_tokens
+            or request.num_tokens >= self.config.max_model_len)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request (any state) and frees its blocks and host swap space."""
