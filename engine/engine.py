@@ -222,7 +222,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one step; returns an output for every request that got new tokens or finished."""
-        if self.proposer is None and self.config.async_scheduling:
+        if self._ahead is not None or self._runs_ahead():
             return self._step_ahead()
         timing = StepTiming()
         t0 = time.perf_counter()
@@ -277,7 +277,8 @@ class Engine:
         current, self._ahead = self._ahead, None
         outputs = []
         if current is not None:
-            self._ahead = self._dispatch_ahead(timing, current)
+            if self._runs_ahead():
+                self._ahead = self._dispatch_ahead(timing, current)
             plan, flight, _ = current
             result = self.runner.collect(flight, timing)
             t = time.perf_counter()
@@ -285,12 +286,32 @@ class Engine:
             timing.update = time.perf_counter() - t
             timing.num_tokens, timing.num_seqs = flight.num_tokens, flight.num_seqs
         self.stats.add(timing)
-        _, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
+        seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
+        elif current is not None and self.proposer is not None and self.proposer.costs is not None:
+            # What a plain step costs here, host work hidden: what the gate's drafts must beat.
+            work = sum(attention_pairs(s.start, s.num_new_tokens) for s in current[0].seqs)
+            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, None, seconds, work)
         if current is not None and self.on_step is not None:
             self.on_step(timing)
         return outputs
+
+    def _runs_ahead(self) -> bool:
+        """Whether the next step may be dispatched before the host has this one's tokens: always without a
+        proposer (with `async_scheduling`); with a host proposer (n-gram lookup) while its cost gate, asked on
+        the tokens the host has, drafts for no decode, so a step that would verify drafts runs synchronously
+        (a device proposer's drafts need every step's tokens). Asking the gate counts as its step."""
+        if not self.config.async_scheduling:
+            return False
+        proposer = self.proposer
+        if proposer is None:
+            return True
+        if proposer.on_device:
+            return False
+        decodes = self.scheduler.decodes()
+        proposer.begin_step(decodes, self.num_steps)
+        return not any(proposer.draft_len(r, self.num_steps) for r in decodes)
 
     def _dispatch_ahead(self, timing: StepTiming, before: tuple | None) -> tuple | None:
         """Schedules, packs and dispatches a plain step after `before` (the step in flight, or None); commits it

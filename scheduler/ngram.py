@@ -96,7 +96,7 @@ class Contexts:
     def tokens(self, request) -> np.ndarray:
         """int32 `[L]`: `request`'s tokens (a `scheduler.request.Request`)."""
         buf, n = self._buffers.get(request.request_id, (np.zeros(0, np.int32), 0))
-        total = request.num_tokens
+        total = request.num_known_tokens
         if total < n:  # cannot shrink in practice; start over if it did
             buf, n = np.zeros(0, np.int32), 0
         if total > len(buf):

@@ -121,7 +121,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
         real_end = end - s.num_draft  # the placeholders stay 0 here
         blocks = np.asarray(r.allocation.block_ids, np.int32)
         pos = np.arange(s.start, end, dtype=np.int32)
-        known = min(real_end, r.num_tokens - r.num_pending_tokens)
+        known = min(real_end, r.num_known_tokens)
         token_ids[t:t + known - s.start] = r.token_ids(s.start, known)
         if known < real_end:  # one token, sampled by the step in flight
             feed_index[t + known - s.start] = pending[r.request_id]

@@ -178,6 +178,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens on the host (`num_tokens` less the pending ones)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
@@ -189,7 +194,6 @@ class Request:
             return FinishReason.STOP
         if token_id in sp.stop_token_ids:
             return FinishReason.STOP
-        if (len(self.output_token_ids) >= sp.max_tokens
-                or len(self.prompt_token_ids) + len(self.output_token_ids) >= max_model_len):
+        if len(self.output_token_ids) >= sp.max_tokens or self.num_known_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

@@ -298,7 +298,7 @@ class Scheduler:
             return False
         request.num_pending_tokens -= sampled
         if request.status is RequestStatus.RUNNING:
-            known = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens)
+            known = min(request.num_computed_tokens, request.num_known_tokens)
             self.blocks.cache_blocks(request.allocation, request.token_ids, known)
         return True
 

@@ -45,11 +45,7 @@ def test_async_equals_sync_under_preemption(swap):
 
 def test_the_next_step_is_dispatched_before_the_read_back(monkeypatch):
     llm = _engine(True)
-    events = []
-    runner = llm.engine.runner
-    dispatch, collect = runner.dispatch, runner.collect
-    monkeypatch.setattr(runner, "dispatch", lambda *a, **k: events.append("d") or dispatch(*a, **k))
-    monkeypatch.setattr(runner, "collect", lambda *a, **k: events.append("c") or collect(*a, **k))
+    events = _record(monkeypatch, llm.engine.runner)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
     # Prefill and three decodes: each decode is dispatched before the step before it is read back, and the
@@ -57,16 +53,33 @@ def test_the_next_step_is_dispatched_before_the_read_back(monkeypatch):
     assert "".join(events) == "ddcdcdcc"
 
 
-def test_a_proposer_keeps_the_synchronous_loop(monkeypatch):
-    llm = LLM("tiny-llama", speculative="ngram", num_blocks=48, block_size=16, max_num_seqs=8,
-              max_num_batched_tokens=64)
+def _record(monkeypatch, runner) -> list[str]:
     events = []
-    runner = llm.engine.runner
     dispatch, collect = runner.dispatch, runner.collect
     monkeypatch.setattr(runner, "dispatch", lambda *a, **k: events.append("d") or dispatch(*a, **k))
     monkeypatch.setattr(runner, "collect", lambda *a, **k: events.append("c") or collect(*a, **k))
-    llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    assert set("".join(events).split("dc")) == {""}
+    return events
+
+
+def test_ngram_runs_ahead_only_where_the_gate_drafts_nothing(monkeypatch):
+    # A prompt that repeats itself: the lookup proposes (and the gate, with no costs measured yet, lets
+    # every proposal through) once the output starts copying it; before that, steps run ahead.
+    prompt = list(range(3, 23)) * 3
+    outs = {}
+    for mode in (False, True):
+        llm = LLM("tiny-llama", speculative="ngram", num_blocks=48, block_size=16, max_num_seqs=8,
+                  max_num_batched_tokens=64, async_scheduling=mode)
+        events = _record(monkeypatch, llm.engine.runner)
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
+        outs[mode] = [o.token_ids for o in llm.generate([prompt, PROMPTS[3]], [greedy, seeded])]
+        stats = llm.engine.stats
+        if mode:
+            trace = "".join(events)
+            assert "ddc" in trace and stats.num_draft_tokens > 0  # both kinds of step ran
+        else:
+            assert set("".join(events).split("dc")) == {""}
+    assert outs[True] == outs[False]
 
 
 def test_abort_while_a_step_is_in_flight():
