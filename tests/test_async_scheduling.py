@@ -61,24 +61,24 @@ def _record(monkeypatch, runner) -> list[str]:
     return events
 
 
-def test_ngram_runs_ahead_only_where_the_gate_drafts_nothing(monkeypatch):
-    # A prompt that repeats itself: the lookup proposes (and the gate, with no costs measured yet, lets
-    # every proposal through) once the output starts copying it; before that, steps run ahead.
-    prompt = list(range(3, 23)) * 3
+def test_ngram_runs_ahead_only_where_the_lookup_proposes_nothing(monkeypatch):
+    # The gate off (min_acceptance 0): a decode drafts whenever its lookup matches, so which steps run ahead
+    # depends on the tokens alone.
+    from engine import Engine, EngineConfig
+    from tests.test_ngram import NGRAM, PROMPTS as REPEATING
+    from tests.test_speculative import _model, _run
+
+    target = _model(scale=4.0)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
     outs = {}
     for mode in (False, True):
-        llm = LLM("tiny-llama", speculative="ngram", num_blocks=48, block_size=16, max_num_seqs=8,
-                  max_num_batched_tokens=64, async_scheduling=mode)
-        events = _record(monkeypatch, llm.engine.runner)
-        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True)
-        outs[mode] = [o.token_ids for o in llm.generate([prompt, PROMPTS[3]], [greedy, seeded])]
-        stats = llm.engine.stats
-        if mode:
-            trace = "".join(events)
-            assert "ddc" in trace and stats.num_draft_tokens > 0  # both kinds of step ran
-        else:
-            assert set("".join(events).split("dc")) == {""}
+        engine = Engine(target, EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=32,
+                                             async_scheduling=mode), speculation=NGRAM)
+        events = _record(monkeypatch, engine.runner)
+        outs[mode] = [(o.token_ids, o.num_draft_tokens > 0) for o in _run(engine, REPEATING[:3], [greedy, seeded, greedy])]
+        trace = "".join(events)
+        assert ("ddc" in trace) == mode and engine.stats.num_draft_tokens > 0  # async: both kinds of step ran
     assert outs[True] == outs[False]
 
 

@@ -94,7 +94,10 @@ def test_lookup_respects_min_n():
 
 
 PROMPTS = [[3, 4, 5, 6] * 4, list(range(3, 20)) * 2, [7] * 5, list(range(3, 40)), [9, 10, 11] * 12 + [9, 10]]
-CFG = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+# Synchronous steps: these tests need the lookups' drafts verified, and with async scheduling a step the cost
+# gate gives no drafts (on a tiny model, where host work is most of a step, most of them) runs ahead plainly
+# (tests/test_async_scheduling.py covers that mix).
+CFG = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=False)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,8 @@ def test_first_three_tokens_follow_the_target_exactly(sp):
     """As the draft-model test (tests/test_speculative.py), with one-hot proposals from the prompt: N = 3000 seeded
     requests over a vocabulary of 8 (512 joint outcomes), chi-square at the 0.001 level against the exact joint."""
     target = _model(vocab_size=8, seed=0, scale=8.0)
-    engine = Engine(target, EngineConfig(num_blocks=300, block_size=4, max_num_seqs=64, max_num_batched_tokens=256),
+    engine = Engine(target, EngineConfig(num_blocks=300, block_size=4, max_num_seqs=64, max_num_batched_tokens=256,
+                                         async_scheduling=False),
                     speculation=dataclasses.replace(NGRAM, num_speculative_tokens=2))
     prompt = [1, 5, 2, 0, 3, 4, 6, 7, 1, 5]  # every token of the vocabulary occurs: a proposal at each step
     N = 3000
