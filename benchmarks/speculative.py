@@ -71,7 +71,8 @@ flags.DEFINE_list("ks", [], "Draft lengths K of a table of each --proposers at f
 flags.DEFINE_integer("repeats", 3, "Rounds of the default-settings table, each configuration in a process of "
                      "its own, alternating (0: no default-settings table).")
 flags.DEFINE_list("configs", ["off", "auto"], "Default-settings table: \"off\", \"auto\" (LLM's default), \"eagle-ngram-tree\" or a "
-                  "--proposers name with the engine's defaults; the first is the baseline of the ratios.")
+                  "--proposers name with the engine's defaults, each with \"-sync\" after it for async scheduling off; the "
+                  "first is the baseline of the ratios.")
 flags.DEFINE_string("worker", None, "Internal: run one --configs entry over every cell, print its figures.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_integer("skip", 0, "Skip this many prompts of the split at the start of each file.")
@@ -129,7 +130,8 @@ def _decode(llm, prompts, request_class="default", timed=False):
     widest = bucket_for(b * (1 + max(k for k in runner.spec_ks if k is not None) if len(runner.spec_ks) > 1 else b),
                         runner.token_buckets)
     if FLAGS.precompile:
-        engine.precompile([(t, S) for t in runner.token_buckets if S <= t <= widest])
+        # Fewer rows too: the batch's last requests finish on their own.
+        engine.precompile([(t, s) for t in runner.token_buckets for s in runner.seq_buckets if s <= S and s <= t <= widest])
     # Prefill every prompt once beforehand, so that in the run the prefix cache serves them in a step or
     # two and all B requests decode together (long prompts would otherwise still be prefilling while
     # the first ones finish).
@@ -219,10 +221,13 @@ def _window_costs(llm, sizes=(1, 2, 4, 8, 16), repeats=20) -> dict[int, float]:
 
 def _engine_for(config: str):
     """The LLM of a --configs entry: "off", "auto" (the defaults of `LLM()`), a --proposers name, or
-    "eagle-ngram-tree" (EAGLE-2 trees with the n-gram chain in them)."""
+    "eagle-ngram-tree" (EAGLE-2 trees with the n-gram chain in them); "-sync" after any of them turns async
+    scheduling off."""
     from engine import LLM
 
-    limits = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kernel_dtype": FLAGS.kernel_dtype}
+    limits = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kernel_dtype": FLAGS.kernel_dtype,
+              "async_scheduling": not config.endswith("-sync")}
+    config = config.removesuffix("-sync")
     if config in ("off", "auto"):
         return LLM(speculative=None if config == "off" else "auto", **limits)
     if config == "eagle-ngram-tree":

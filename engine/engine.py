@@ -121,6 +121,7 @@ class Engine:
         self.stats = EngineStats()
         self.on_step: Callable[[StepTiming], None] | None = None
         self._ahead: tuple | None = None  # async scheduling: the step dispatched ahead (`_dispatch_ahead`)
+        self._gate_asked_at = -1  # the step whose drafts `_runs_ahead` had the cost gate choose
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -228,7 +229,8 @@ class Engine:
         t0 = time.perf_counter()
         compiled = compilation_count()
         if self.proposer is not None:
-            self.proposer.begin_step(self.scheduler.decodes(), self.num_steps)
+            if self._gate_asked_at != self.num_steps:  # `_runs_ahead` asked it on these tokens already
+                self.proposer.begin_step(self.scheduler.decodes(), self.num_steps)
             timing.propose = time.perf_counter() - t0
         plan = self.scheduler.schedule(self._draft_len if self.proposer is not None else None)
         t1 = time.perf_counter()
@@ -311,6 +313,7 @@ class Engine:
             return False
         decodes = self.scheduler.decodes()
         proposer.begin_step(decodes, self.num_steps)
+        self._gate_asked_at = self.num_steps
         return not any(proposer.draft_len(r, self.num_steps) for r in decodes)
 
     def _dispatch_ahead(self, timing: StepTiming, before: tuple | None) -> tuple | None:
