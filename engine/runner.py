@@ -36,8 +36,8 @@ from engine.distributed import check_same_batch
 from engine.proposers import Proposer
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_step
-from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks, to_device,
-                         make_step, replicate, scatter_blocks, tensor_parallel_mesh)
+from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
+                         make_step, replicate, scatter_blocks, tensor_parallel_mesh, to_device)
 from pallas_kernels.reference import ragged_paged_attention_reference
 from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
 from scheduler.request import Request, SamplingParams
@@ -267,7 +267,7 @@ class ModelRunner:
         return pack(StepPlan([], []), 1, self.max_blocks_per_seq, (T,), (S,), {}, spec_k)
 
     def execute(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None,
-                feed_index: np.ndarray | None = None) -> tuple[Sampled, jax.Array | None, jax.Array | None]:
+                feed_index: np.ndarray) -> tuple[Sampled, jax.Array | None, jax.Array | None]:
         """Runs the step program on device inputs; returns device `(sampled, num_emitted int32 [S], path_rank)`
         (`StepOutput`).
 
@@ -291,7 +291,7 @@ class ModelRunner:
         return sampled, num_emitted, path_rank
 
     def _program(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None,
-                 feed_index: np.ndarray | None = None) -> tuple[Callable, tuple]:
+                 feed_index: np.ndarray) -> tuple[Callable, tuple]:
         """The jitted step program for `spec_k` and its arguments (see `execute`)."""
         if spec_k is None:
             return self._step, (self.state, self.pools[0], batch, (self._fed, feed_index))
@@ -321,11 +321,8 @@ class ModelRunner:
         check_same_batch(packed)
         batch = to_device(StepBatch, packed)
         spec = to_device(SpecBatch, packed.spec) if spec_k is not None else None
-        feed_index = packed.feed_index
-        if feed_index is None:
-            feed_index = np.full(packed.token_ids.shape[0], -1, np.int32)
         t1 = time.perf_counter()
-        sampled, num_emitted, path_rank = self.execute(batch, spec, spec_k, feed_index)
+        sampled, num_emitted, path_rank = self.execute(batch, spec, spec_k, packed.feed_index)
         if timing is not None:
             timing.num_tokens, timing.num_seqs, timing.spec_k = packed.token_ids.shape[0], packed.seq_lens.shape[0], spec_k
             timing.to_device, timing.device = t1 - t0, time.perf_counter() - t1
@@ -455,7 +452,7 @@ class ModelRunner:
                 fn, args = self._score_step, (self.state, self.pools[0], batch, np.zeros(T, np.int32))
             else:
                 fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if K is not None else None, K,
-                                         np.full(T, -1, np.int32))
+                                         packed.feed_index)
             fn.lower(*args).compile()
             tick()
 

@@ -45,10 +45,10 @@ class PackedBatch:
     min_p: np.ndarray  # float32 [S]
     seeds: np.ndarray  # uint32 [S]
     want_logprobs: np.ndarray  # bool [S]; the step computes log-probabilities only if any is set
+    # int32 [T]: for a token the step in flight samples (async scheduling), its row there; -1 elsewhere
+    feed_index: np.ndarray
     num_seqs: int  # real sequences (the rest is padding)
     spec: SpecArrays | None = None  # present when the step runs with a draft model
-    # int32 [T]: for a token the step in flight samples (async scheduling), its row there; -1 elsewhere
-    feed_index: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +171,8 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     elif any(s.num_draft for s in plan.seqs):
         raise ValueError("draft tokens in a step packed without spec_k")
     return PackedBatch(token_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables,
-                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, n_seqs, spec,
-                       feed_index)
+                       logits_indices, temperature, top_k, top_p, min_p, seed_arr, want_logprobs, feed_index, n_seqs,
+                       spec)
 
 
 TREE_WINDOW = 32  # step tokens a tree mask covers (pallas_kernels.reference.TREE_WINDOW; no jax here)
