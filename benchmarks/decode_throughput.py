@@ -9,16 +9,19 @@ its own (its threads never share the cores with another's), processes alternatin
 
 Programs:
 
-* `engine` (fp32 kernel weights), `engine-bf16` (`kernel_dtype="bfloat16"`): this engine, `speculative=None`,
-  kernels as `--matmul` says (default: chosen by measurement, `engine.kernels`). Every batch size is
+* `engine` (fp32 kernel weights: the file's Q4_1 and Q8_0 blocks, exact, `cpu_kernels.blocks`),
+  `engine-panels` (the same fp32 values in float32 panels, `JSE_WEIGHT_BLOCKS=0`), `engine-bf16`
+  (`kernel_dtype="bfloat16"`): this engine, `speculative=None`, kernels as `--matmul` says (default: chosen
+  by measurement, `engine.kernels`). Every batch size is
   warmed up twice with the very run it then times (the second warm-up already hits the prefix cache, as
   the timed runs do), and each timed run asserts that nothing compiled while it ran. The timed steps are
   whole `Engine.step()`s after every request has its first token: scheduling, packing, host-to-device
   copies, the jitted step, the read-back, detokenizing.
-* `llama.cpp-f32`, `llama.cpp-f16`: llama.cpp through `llama-cpp-python` (`pip install -e '.[bench]'`;
-  build it with `CMAKE_ARGS="-DGGML_NATIVE=ON"` for this CPU), on F32 and F16 GGUFs written once from the
-  same Q4_1 file (`llama_model_quantize`, kept in the engine's cache folder); as many threads as CPUs;
-  batch 1 and prefill only (its Python API decodes one sequence).
+* `llama.cpp-f32`, `llama.cpp-f16`, `llama.cpp-q4_1`: llama.cpp through `llama-cpp-python` (`pip install -e
+  '.[bench]'`; build it with `CMAKE_ARGS="-DGGML_NATIVE=ON"` for this CPU), on F32 and F16 GGUFs written once
+  from the same Q4_1 file (`llama_model_quantize`, kept in the engine's cache folder) and on that file itself
+  (its products quantize the activations to 8 bits, so its greedy output may part from the fp32 one); as
+  many threads as CPUs; batch 1 and prefill only (its Python API decodes one sequence).
 * `transformers`: Hugging Face transformers fp32 (`generate`, greedy, left-padded batch). Decode ms/step
   = (t(prefill + N tokens) - t(prefill + 1 token)) / (N - 1).
 
@@ -51,7 +54,8 @@ import numpy as np  # noqa: E402
 from benchmarks.baselines import hf_batch, hf_setup, read_prompts  # noqa: E402
 
 FLAGS = flags.FLAGS
-PROGRAMS = ["engine", "engine-bf16", "llama.cpp-f32", "llama.cpp-f16", "transformers"]
+PROGRAMS = ["engine", "engine-panels", "engine-bf16", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q4_1",
+            "transformers"]
 flags.DEFINE_list("programs", PROGRAMS, f"Programs to time, of {PROGRAMS}.")
 flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Decode batch sizes (llama.cpp: batch 1 only).")
 flags.DEFINE_integer("decode_tokens", 64, "Tokens generated per request (the first comes from prefill).")
@@ -140,13 +144,15 @@ def engine_worker(kernel_dtype: str, inputs: dict) -> dict:
 
 
 def llama_cpp_gguf(kind: str) -> str:
-    """An F32 or F16 GGUF of the default model, written once from its Q4_1 file into the cache folder."""
+    """The default model's Q4_1 file, or an F32 or F16 GGUF written once from it into the cache folder."""
     import ctypes
 
     import llama_cpp
 
     from checkpoints import default_gguf_path
     from checkpoints.resolve import cache_dir
+    if kind == "q4_1":
+        return default_gguf_path()
     path = os.path.join(cache_dir(), "peers", f"smollm2-135m-instruct-{kind}.gguf")
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -229,7 +235,9 @@ def transformers_worker(inputs: dict) -> dict:
 
 
 def run_worker(name: str, inputs: dict) -> dict:
-    if name in ("engine", "engine-bf16"):
+    if name == "engine-panels":
+        os.environ["JSE_WEIGHT_BLOCKS"] = "0"
+    if name.startswith("engine"):
         return engine_worker("bfloat16" if name == "engine-bf16" else "float32", inputs)
     if name.startswith("llama.cpp-"):
         return llama_cpp_worker(name.split("-")[1], inputs)

@@ -7,7 +7,11 @@ T (decode steps, verify windows, small batches), with W packed once by
 memory once and keeps `rows x 16` accumulators in vector registers
 (`skinny_matmul.cc`); threads split the panels. Weights may be float32,
 bfloat16 (half the bytes) or int8 with a per-output-column scale (a quarter);
-accumulation is float32. `skinny_matmul_reference` is the plain-jnp reference.
+accumulation is float32. float32 weights that are exactly GGUF Q4_1 or Q8_0
+values (a GGUF checkpoint's) stay in those blocks, the same sums from a fifth
+or a quarter of the bytes (`blocks.py`; `JSE_WEIGHT_BLOCKS=0` in the
+environment keeps them in float32 panels). `skinny_matmul_reference` is the
+plain-jnp reference.
 
 `amx_matmul(x, w)`: the same product on Intel AMX tiles (the engine's every
 product where the CPU has AMX), with W packed once by
@@ -50,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import blocks
+
 log = logging.getLogger(__name__)
 
 PANEL = 16  # output columns per panel (the kernel's vector width)
@@ -72,18 +78,21 @@ _ISAS = {"": 0, "avx2": 1, "avx512": 2}  # the skinny kernel's `isa` attribute
 class PackedWeight:
     """A `[K, N]` weight in the kernel's panel layout.
 
-    panels: `[ceil(N / 16), K, 16]` float32, bfloat16 or int8.
+    panels: `[ceil(N / 16), K, 16]` float32, bfloat16 or int8; for a block `format`, uint8
+      `[ceil(N / 16), K / 32, blocks.BLOCK_BYTES[format]]`.
     scales: float32 `[ceil(N / 16) * 16]` for int8 (W ~= panels * scales per
       column), else `[0]`.
     n: N, the real number of output columns (static).
     isa: the kernel path that runs it (static): "avx512", "avx2", or "" for the best this CPU has
       (`skinny_isas()`). The two paths sum in a different order.
+    format: "" (panels of their element type), "q4_1" or "q8_0" (exact float32 values in GGUF blocks) (static).
     """
 
     panels: jax.Array
     scales: jax.Array
     n: int = dataclasses.field(metadata={"static": True})
     isa: str = dataclasses.field(default="", metadata={"static": True})
+    format: str = dataclasses.field(default="", metadata={"static": True})
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +103,9 @@ def pack(w, dtype: str = "float32", isa: str = "") -> PackedWeight:
     """Packs W `[K, N]` (any float array) into panels of `dtype` ("float32", "bfloat16" or "int8"), for the
     kernel path `isa` ("avx512", "avx2" or "": the best this CPU has).
 
-    int8 uses symmetric per-column scales: q = round(W / s), s = max|W[:, n]| / 127.
+    int8 uses symmetric per-column scales: q = round(W / s), s = max|W[:, n]| / 127. float32 weights whose
+    values are exactly GGUF Q4_1 or Q8_0 blocks are kept in that block format (`blocks.find_blocks`; unless
+    `JSE_WEIGHT_BLOCKS=0`): the same values, fewer bytes.
     Raises ValueError for another dtype or isa, or a non-2-D weight.
     """
     if dtype not in _DTYPES:
@@ -105,9 +116,13 @@ def pack(w, dtype: str = "float32", isa: str = "") -> PackedWeight:
     if w.ndim != 2:
         raise ValueError(f"pack wants a [K, N] weight, got shape {w.shape}")
     K, N = w.shape
+    scales = np.zeros(0, np.float32)
+    if dtype == "float32" and os.environ.get("JSE_WEIGHT_BLOCKS", "1") != "0":
+        found = blocks.find_blocks(w)
+        if found is not None:
+            return PackedWeight(jnp.asarray(found[1]), jnp.asarray(scales), N, isa, found[0])
     n_pad = -(-N // PANEL) * PANEL
     w = np.pad(w, ((0, 0), (0, n_pad - N)))
-    scales = np.zeros(0, np.float32)
     if dtype == "int8":
         scales = np.maximum(np.abs(w).max(axis=0), 1e-30).astype(np.float32) / 127.0
         w = np.clip(np.rint(w / scales), -127, 127)
@@ -116,7 +131,9 @@ def pack(w, dtype: str = "float32", isa: str = "") -> PackedWeight:
 
 
 def unpack(p: PackedWeight) -> jax.Array:
-    """The float32 `[K, N]` weight a packed one stands for (dequantized for int8)."""
+    """The float32 `[K, N]` weight a packed one stands for (dequantized for int8 and the block formats)."""
+    if p.format:
+        return jnp.asarray(blocks.unpack_blocks(p.format, np.asarray(p.panels), p.n))
     panels = p.panels.astype(jnp.float32)
     w = jnp.transpose(panels, (1, 0, 2)).reshape(panels.shape[1], -1)
     if p.scales.size:
@@ -135,7 +152,7 @@ def skinny_matmul(x: jax.Array, p: PackedWeight) -> jax.Array:
     T = x.shape[0]
     scales = p.scales if p.scales.size else jnp.zeros(0, jnp.float32)
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((T, p.n), jnp.float32))
-    return call(x.astype(jnp.float32), p.panels, scales, isa=np.int32(_ISAS[p.isa]))
+    return call(x.astype(jnp.float32), p.panels, scales, isa=np.int32(_ISAS[p.isa]), format=_format(p))
 
 
 def skinny_matmul_layers(x: jax.Array, weights: list[PackedWeight], layer: jax.Array) -> jax.Array:
@@ -148,13 +165,18 @@ def skinny_matmul_layers(x: jax.Array, weights: list[PackedWeight], layer: jax.A
     """
     _require()
     first = weights[0]
-    if any((w.panels.shape, w.panels.dtype, w.n, w.isa) != (first.panels.shape, first.panels.dtype, first.n,
-                                                          first.isa) for w in weights):
-        raise ValueError("skinny_matmul_layers: every layer's weight must have one shape, dtype, n and isa")
+    key = lambda w: (w.panels.shape, w.panels.dtype, w.n, w.isa, w.format)  # noqa: E731
+    if any(key(w) != key(first) for w in weights):
+        raise ValueError("skinny_matmul_layers: every layer's weight must have one shape, dtype, n, isa and format")
     scales = [w.scales if w.scales.size else jnp.zeros(0, jnp.float32) for w in weights]
     call = jax.ffi.ffi_call(_LAYERS_TARGET, jax.ShapeDtypeStruct((x.shape[0], first.n), jnp.float32))
     return call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32), *[w.panels for w in weights], *scales,
-                isa=np.int32(_ISAS[first.isa]))
+                isa=np.int32(_ISAS[first.isa]), format=_format(first))
+
+
+def _format(p: PackedWeight) -> np.int32:
+    """The skinny kernel's `format` attribute for `p`: 0 for panels, else its block format's number."""
+    return np.int32(blocks.FORMATS[p.format] if p.format else 0)
 
 
 @jax.tree_util.register_dataclass

@@ -9,6 +9,14 @@
 // Weight element types: f32; bf16 (widened to f32 by a 16-bit shift); s8 with a per-output-column f32
 // scale applied to the sums. x and y are f32; accumulation is f32 throughout.
 //
+// Block formats: float32 weights that are exactly GGUF Q4_1 or Q8_0 blocks (32 consecutive k of one column
+// share fp16 scales; ggml's `dequantize_row_q4_1` / `_q8_0`) stay in those blocks and are widened in
+// registers: w = q * d + m (Q4_1, q in [0, 15]) or q * d (Q8_0, q in [-127, 127]). q * d is exact in f32
+// (at most 15 significant bits), so the widened w are the float32 values bit for bit and the sums are those
+// of the f32 panels, in the same order, from a fifth (Q4_1) or a quarter (Q8_0) of the bytes. A panel is
+// K / 32 blocks, each a header (16 fp16 d, then for Q4_1 16 fp16 m) and 32 k-rows of 16 columns: Q4_1 8
+// bytes a row (byte j: column j in the low nibble, column j + 8 in the high), Q8_0 16 int8.
+//
 // AVX-512F and AVX2+FMA paths, chosen at run time (CPUID; see `cpu_features`). `jse_cpu_features` tells the Python side
 // which one runs (0: neither; the engine then keeps XLA's dot).
 
@@ -31,7 +39,13 @@ namespace {
 
 constexpr int64_t P = 16;  // panel width (output columns)
 
-enum class WType { F32, BF16, S8 };
+enum class WType { F32, BF16, S8, Q4_1, Q8_0 };
+
+constexpr int64_t QK = 32;  // k rows per block of the block formats
+template <WType W>
+constexpr int64_t kBlockBytes = W == WType::Q4_1 ? 64 + QK * P / 2 : 32 + QK * P;
+template <WType W>
+constexpr bool kBlocks = W == WType::Q4_1 || W == WType::Q8_0;
 
 // ---- AVX-512: one zmm per k-row of a panel, up to 8 rows of x per chunk --------------------------
 
@@ -75,6 +89,39 @@ __attribute__((target("avx512f"))) void chunk_512(const float* x, int64_t ldx, c
     for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[r][u]);
     _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_mul_ps(sum, s));
   }
+}
+
+// The same sums over block-format panels: two k-rows widened per step, accumulators as in `chunk_512`.
+template <WType W, int R>
+__attribute__((target("avx512f"))) void chunk_blocks_512(const float* x, int64_t ldx, const void* panel, int64_t K,
+                                                         const float*, float* y, int64_t ldy, int64_t ncols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const auto* b = static_cast<const uint8_t*>(panel);
+  for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    for (int64_t kk = 0; kk < QK; kk += 2) {
+      __m512 w0, w1;
+      if constexpr (W == WType::Q4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + kk * P / 2));
+        const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))), d, m);
+        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi))), d, m);
+      } else {
+        const auto* q = reinterpret_cast<const __m128i*>(b + 32 + kk * P);
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k0 + kk]), w0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k0 + kk + 1]), w1, acc[r][1]);
+      }
+    }
+  }
+  __mmask16 mask = static_cast<__mmask16>((ncols >= 16) ? 0xFFFF : ((1u << ncols) - 1));
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, _mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
 // ---- AVX2 + FMA: two ymm per k-row of a panel, up to 6 rows of x per chunk ----------------------
@@ -121,15 +168,63 @@ __attribute__((target("avx2,fma"))) void chunk_256(const float* x, int64_t ldx, 
   }
 }
 
+// The same sums over block-format panels, accumulators as in `chunk_256`.
+template <WType W, int R>
+__attribute__((target("avx2,fma,f16c"))) void chunk_blocks_256(const float* x, int64_t ldx, const void* panel,
+                                                                int64_t K, const float*, float* y, int64_t ldy,
+                                                                int64_t ncols) {
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const auto* b = static_cast<const uint8_t*>(panel);
+  for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
+    const __m256 dl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    for (int64_t kk = 0; kk < QK; ++kk) {
+      __m256 wl, wh;
+      if constexpr (W == WType::Q4_1) {
+        const __m256 ml = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32)));
+        const __m256 mh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48)));
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64 + kk * P / 2));
+        wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, nibble))), dl, ml);
+        wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble))),
+                             dh, mh);
+      } else {
+        const uint8_t* q = b + 32 + kk * P;
+        wl = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), dl);
+        wh = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)))), dh);
+      }
+      for (int r = 0; r < R; ++r) {
+        __m256 xb = _mm256_broadcast_ss(x + r * ldx + k0 + kk);
+        lo[r] = _mm256_fmadd_ps(xb, wl, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xb, wh, hi[r]);
+      }
+    }
+  }
+  alignas(32) float buf[P];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(buf, lo[r]);
+    _mm256_store_ps(buf + 8, hi[r]);
+    for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = buf[j];
+  }
+}
+
 using ChunkFn = void (*)(const float*, int64_t, const void*, int64_t, const float*, float*, int64_t, int64_t);
 
 template <WType W, int... Rs>
 constexpr auto table_512(std::integer_sequence<int, Rs...>) {
-  return std::array<ChunkFn, sizeof...(Rs)>{&chunk_512<W, Rs + 1>...};
+  if constexpr (kBlocks<W>)
+    return std::array<ChunkFn, sizeof...(Rs)>{&chunk_blocks_512<W, Rs + 1>...};
+  else
+    return std::array<ChunkFn, sizeof...(Rs)>{&chunk_512<W, Rs + 1>...};
 }
 template <WType W, int... Rs>
 constexpr auto table_256(std::integer_sequence<int, Rs...>) {
-  return std::array<ChunkFn, sizeof...(Rs)>{&chunk_256<W, Rs + 1>...};
+  if constexpr (kBlocks<W>)
+    return std::array<ChunkFn, sizeof...(Rs)>{&chunk_blocks_256<W, Rs + 1>...};
+  else
+    return std::array<ChunkFn, sizeof...(Rs)>{&chunk_256<W, Rs + 1>...};
 }
 
 // JSE_CPU_ISA=avx2 keeps an AVX-512 machine on the AVX2 path (so tests cover both); it never upgrades.
@@ -145,13 +240,13 @@ int cpu_features() {
 const int kFeatures = cpu_features();
 
 template <WType W>
-void run_panels(int isa, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t elem_bytes,
+void run_panels(int isa, const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t panel_bytes,
                 const float* scale, float* y, int64_t N, int64_t p_begin, int64_t p_end) {
   static const auto t512 = table_512<W>(std::make_integer_sequence<int, 8>{});
   static const auto t256 = table_256<W>(std::make_integer_sequence<int, 6>{});
   const int64_t rows = isa == 2 ? 8 : 6;
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const void* panel = w + p * K * P * elem_bytes;
+    const void* panel = w + p * panel_bytes;
     const int64_t col = p * P, ncols = std::min<int64_t>(P, N - col);
     const float* s = scale ? scale + col : nullptr;
     for (int64_t t = 0; t < T; t += rows) {
@@ -168,7 +263,7 @@ struct Shared {
 };
 
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+                            ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int32_t isa, int32_t format) {
   if (kFeatures == 0) return ffi::Error::InvalidArgument("skinny matmul: this CPU has neither AVX-512F nor AVX2+FMA");
   // isa 0: the best path this CPU (and JSE_CPU_ISA) allows; 1: AVX2; 2: AVX-512 (chosen by measurement,
   // `engine.kernels`).
@@ -176,28 +271,39 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   if (isa < 1 || isa > kFeatures)
     return ffi::Error::InvalidArgument("skinny matmul: isa must be 0, 1 (AVX2) or 2 (AVX-512, where the CPU has it)");
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != P)
-    return ffi::Error::InvalidArgument("skinny matmul: want x [T, K], w [N/16, K, 16], y [T, N]");
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("skinny matmul: want x [T, K], w of rank 3, y [T, N]");
   const int64_t T = xd[0], K = xd[1], N = yd[1], panels = wd[0];
-  if (wd[1] != K || yd[0] != T || panels != (N + P - 1) / P)
+  if (yd[0] != T || panels != (N + P - 1) / P)
     return ffi::Error::InvalidArgument("skinny matmul: shapes of x, w and y disagree");
   const auto type = w.element_type();
-  const bool s8 = type == ffi::DataType::S8;
+  void (*run)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t,
+              int64_t);
+  int64_t panel_bytes;
+  if (format == 0) {  // plain panels [N/16, K, 16] of the weights' element type
+    if (wd[1] != K || wd[2] != P) return ffi::Error::InvalidArgument("skinny matmul: want w [N/16, K, 16]");
+    switch (type) {
+      case ffi::DataType::F32: run = &run_panels<WType::F32>, panel_bytes = 4 * K * P; break;
+      case ffi::DataType::BF16: run = &run_panels<WType::BF16>, panel_bytes = 2 * K * P; break;
+      case ffi::DataType::S8: run = &run_panels<WType::S8>, panel_bytes = K * P; break;
+      default: return ffi::Error::InvalidArgument("skinny matmul: weights must be f32, bf16 or s8");
+    }
+  } else if (format == 1 || format == 2) {  // block formats, u8 [N/16, K/32, block bytes]
+    const int64_t bytes = format == 1 ? kBlockBytes<WType::Q4_1> : kBlockBytes<WType::Q8_0>;
+    if (type != ffi::DataType::U8 || K % QK || wd[1] != K / QK || wd[2] != bytes)
+      return ffi::Error::InvalidArgument("skinny matmul: block-format weights must be u8 [N/16, K/32, block bytes]");
+    run = format == 1 ? &run_panels<WType::Q4_1> : &run_panels<WType::Q8_0>;
+    panel_bytes = K / QK * bytes;
+  } else {
+    return ffi::Error::InvalidArgument("skinny matmul: format must be 0 (panels), 1 (Q4_1) or 2 (Q8_0 blocks)");
+  }
+  const bool s8 = format == 0 && type == ffi::DataType::S8;
   if (s8 && scales.element_count() != panels * P)
     return ffi::Error::InvalidArgument("skinny matmul: s8 weights need one scale per (padded) output column");
   const float* xp = x.typed_data();
   const float* sp = s8 ? scales.typed_data() : nullptr;
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   float* yp = y->typed_data();
-  void (*run)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t,
-              int64_t);
-  int64_t elem_bytes;
-  switch (type) {
-    case ffi::DataType::F32: run = &run_panels<WType::F32>, elem_bytes = 4; break;
-    case ffi::DataType::BF16: run = &run_panels<WType::BF16>, elem_bytes = 2; break;
-    case ffi::DataType::S8: run = &run_panels<WType::S8>, elem_bytes = 1; break;
-    default: return ffi::Error::InvalidArgument("skinny matmul: weights must be f32, bf16 or s8");
-  }
   // Work sharing over groups of panels: the calling thread takes groups too, so the call completes
   // even when the pool is busy; helpers that start late find nothing left and only touch `shared`.
   constexpr int64_t kGroup = 4;
@@ -205,7 +311,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   auto shared = std::make_shared<Shared>();
   auto work = [=](Shared& s) {
     for (int64_t g; (g = s.next.fetch_add(1)) < groups;) {
-      run(isa, xp, T, K, wp, elem_bytes, sp, yp, N, g * kGroup, std::min(panels, (g + 1) * kGroup));
+      run(isa, xp, T, K, wp, panel_bytes, sp, yp, N, g * kGroup, std::min(panels, (g + 1) * kGroup));
       s.done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -219,7 +325,8 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // One layer's product inside a loop over layers (`lax.scan`): the weights of every layer are operands that
 // the loop passes through untouched, and `layer` picks one, so no layer's weight is copied out of a stack.
 ffi::Error SkinnyMatmulLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-                                  ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> y, int32_t isa) {
+                                  ffi::RemainingArgs weights, ffi::ResultBuffer<ffi::F32> y, int32_t isa,
+                                  int32_t format) {
   // weights: L panels then L scales.
   const int64_t L = static_cast<int64_t>(weights.size()) / 2;
   if (L == 0 || weights.size() % 2 || layer.element_count() != 1)
@@ -230,7 +337,7 @@ ffi::Error SkinnyMatmulLayersImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto scales = weights.get<ffi::Buffer<ffi::F32>>(L + l);
   if (!w.has_value() || !scales.has_value())
     return ffi::Error::InvalidArgument("skinny matmul (layers): weights must be arrays, scales float32");
-  return SkinnyMatmulImpl(pool, x, *w, *scales, y, isa);
+  return SkinnyMatmulImpl(pool, x, *w, *scales, y, isa, format);
 }
 
 }  // namespace
@@ -242,15 +349,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JseSkinnyMatmulLayers, SkinnyMatmulLayersImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .RemainingArgs()               // L weights [N/16, K, 16], then L scales
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("format"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JseSkinnyMatmul, SkinnyMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [T, K]
-                                  .Arg<ffi::AnyBuffer>()         // w [N/16, K, 16]: f32, bf16 or s8
+                                  .Arg<ffi::AnyBuffer>()         // w [N/16, K, 16] f32, bf16, s8; u8 blocks
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales [N/16 * 16] (s8), else [0]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [T, N]
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("format"));
 
 extern "C" int jse_cpu_features() { return kFeatures; }

@@ -88,9 +88,10 @@ class Engine:
         self.model_config = cfg
         self.tokenizer = model.tokenizer
         # One kernel family for target and proposer (`engine.kernels`); tensor parallel runs use XLA's dot.
+        dtype = config.kernel_dtype or model.stored_dtype or cfg.dtype
         self.kernel_choice = (kernels.KernelChoice("xla", "tensor parallel") if config.tensor_parallel_size > 1
-                              else kernels.choose(cfg, config.kernel_dtype or model.stored_dtype or cfg.dtype,
-                                                  config.matmul))
+                              else kernels.choose(cfg, dtype, config.matmul,
+                                                  kernels.weight_formats(model.params, dtype)))
         config = dataclasses.replace(config, matmul=self.kernel_choice.family)
         self.config = config
         self.proposer = _proposer(draft, speculation, cfg, config)

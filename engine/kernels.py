@@ -19,8 +19,10 @@ windows or small batches.
 
 `choose` times each family this CPU runs on a model of the target's shapes with random weights (its first
 layers up to `MEASURE_BYTES` of kernel weights, so the timing streams from memory as decode does, and its
-output head), families alternating over `ROUNDS`, medians. The result is kept on disk per CPU, model shape,
-kernel dtype and kernel library (`checkpoints.resolve.cache_dir()/kernels/`), so a machine measures once.
+output head), families alternating over `ROUNDS`, medians. Where the target's float32 weights are exact GGUF
+blocks (`weight_formats`: the skinny kernel then reads the blocks, `cpu_kernels.blocks`), the random weights
+are made blocks of the same formats. The result is kept on disk per CPU, model shape, kernel dtype, weight
+formats and kernel library (`checkpoints.resolve.cache_dir()/kernels/`), so a machine measures once.
 `matmul` other than "auto" forces a family; `JSE_MEASURE_KERNELS=0` in the environment (or a failed
 measurement) takes the instruction-set default (`isa_default`: AMX, then AVX-512, AVX2, XLA's dot).
 """
@@ -38,9 +40,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import cpu_kernels
+from cpu_kernels import blocks
 from checkpoints.resolve import cache_dir, random_params
 from model.config import ModelConfig
 
@@ -78,9 +82,28 @@ def isa_default(dtype: str = "float32") -> str:
     return families(dtype)[0]
 
 
-def choose(cfg: ModelConfig, dtype: str, matmul: str = "auto") -> KernelChoice:
+def weight_formats(params: dict, dtype: str) -> dict[str, str]:
+    """The block format (`cpu_kernels.blocks.find_blocks`) the skinny kernel will read each projection and the
+    output head in, judged by the first `blocks.CHUNK` columns of layer 0's weight: name -> "q4_1" or "q8_0",
+    only where one is found (none for a `dtype` other than float32 or with `JSE_WEIGHT_BLOCKS=0`)."""
+    if dtype != "float32" or os.environ.get("JSE_WEIGHT_BLOCKS", "1") == "0":
+        return {}
+    found = {}
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed"):
+        if name not in params or (name == "embed" and "lm_head" in params):
+            continue
+        w = params[name][0] if params[name].ndim == 3 else params[name]
+        w = w[:blocks.CHUNK].T if name == "embed" else w[:, :blocks.CHUNK]  # the head reads the embedding transposed
+        fmt = blocks.find_blocks(np.asarray(w, np.float32))
+        if fmt is not None:
+            found[name] = fmt[0]
+    return found
+
+
+def choose(cfg: ModelConfig, dtype: str, matmul: str = "auto", formats: dict[str, str] | None = None) -> KernelChoice:
     """The kernel family for a model of `cfg`'s shapes with kernel weights in `dtype` ("float32", "bfloat16",
-    "int8"): `matmul` itself unless it is "auto", else the fastest measured (or cached) here.
+    "int8") and block `formats` (`weight_formats`): `matmul` itself unless it is "auto", else the fastest
+    measured (or cached) here.
 
     Raises ValueError for a `matmul` this process cannot run (not in `families(dtype)`).
     """
@@ -91,19 +114,20 @@ def choose(cfg: ModelConfig, dtype: str, matmul: str = "auto") -> KernelChoice:
         return KernelChoice(matmul, "forced")
     if len(here) == 1 or os.environ.get("JSE_MEASURE_KERNELS", "1") == "0":
         return KernelChoice(here[0], "default")
-    path = os.path.join(cache_dir(), "kernels", _cache_key(cfg, dtype, here) + ".json")
+    formats = formats or {}
+    path = os.path.join(cache_dir(), "kernels", _cache_key(cfg, dtype, here, formats) + ".json")
     try:
         with open(path) as f:
             seconds = json.load(f)["seconds"]
         how = "cached"
     except (OSError, ValueError, KeyError):
         try:
-            seconds = measure(cfg, dtype, here)
+            seconds = measure(cfg, dtype, here, formats)
         except Exception as e:  # noqa: BLE001 - any failure keeps the engine on the default
             log.warning("timing the product kernels failed (%s: %s); using the default, %s", type(e).__name__, e,
                         here[0])
             return KernelChoice(here[0], "default")
-        _write(path, {"seconds": seconds, "families": here, "dtype": dtype})
+        _write(path, {"seconds": seconds, "families": here, "dtype": dtype, "formats": formats})
         how = "measured"
     best = min(seconds, key=lambda f: sum(seconds[f]))
     log.info("product kernels: %s (%s; ms at %s tokens: %s)", best, how, "/".join(map(str, MEASURE_TOKENS)),
@@ -125,16 +149,20 @@ def layout(family: str, dtype: str) -> tuple[str, int, int | None, str] | None:
     return dtype, ALL_ROWS if every_size else SKINNY_MAX_ROWS, None, isa
 
 
-def measure(cfg: ModelConfig, dtype: str, candidates: list[str]) -> dict[str, list[float]]:
+def measure(cfg: ModelConfig, dtype: str, candidates: list[str],
+            formats: dict[str, str] | None = None) -> dict[str, list[float]]:
     """Median seconds of a forward pass (products, norms, RoPE; no attention) and the output head over
     steps of each of `MEASURE_TOKENS` tokens, per family of `candidates`, on a model of `cfg`'s shapes with
-    random weights: its first layers holding `MEASURE_BYTES` of kernel weights (at least one)."""
+    random weights, made GGUF blocks per `formats` (`weight_formats`): its first layers holding
+    `MEASURE_BYTES` of kernel weights (at least one)."""
     from model.llama import Llama
 
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     layer_bytes = _ITEMSIZE[dtype] * (E * (cfg.num_heads + 2 * cfg.num_kv_heads) * D + cfg.num_heads * D * E + 3 * E * F)
     short = dataclasses.replace(cfg, num_layers=max(1, min(cfg.num_layers, math.ceil(MEASURE_BYTES / layer_bytes))))
     params = random_params(short)
+    for name, fmt in (formats or {}).items():
+        params[name] = _as_blocks(params[name], fmt, along_last=name == "embed")
     programs = {}
     for family in candidates:
         model = Llama(short, params=params)
@@ -163,8 +191,20 @@ def measure(cfg: ModelConfig, dtype: str, candidates: list[str]) -> dict[str, li
     return {f: [statistics.median(times[f, T]) for T in MEASURE_TOKENS] for f in candidates}
 
 
-def _cache_key(cfg: ModelConfig, dtype: str, here: list[str]) -> str:
-    """What a measurement depends on: the CPU, the kernel library, jax, the timed shapes and `dtype`."""
+def _as_blocks(w: np.ndarray, fmt: str, along_last: bool) -> np.ndarray:
+    """`w` (`[..., in, out]`, or `[out, in]` when `along_last`) rounded to GGUF `fmt` blocks along `in`
+    (gguf-py's quantize and dequantize)."""
+    import gguf
+
+    kind = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}[fmt]
+    rows = np.ascontiguousarray(w if along_last else np.swapaxes(w, -1, -2), np.float32)
+    out = gguf.quants.dequantize(gguf.quants.quantize(rows, kind), kind).astype(np.float32)
+    return out if along_last else np.ascontiguousarray(np.swapaxes(out, -1, -2))
+
+
+def _cache_key(cfg: ModelConfig, dtype: str, here: list[str], formats: dict[str, str]) -> str:
+    """What a measurement depends on: the CPU, the kernel library, jax, the timed shapes, `dtype` and the
+    weights' block `formats`."""
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
@@ -178,7 +218,7 @@ def _cache_key(cfg: ModelConfig, dtype: str, here: list[str]) -> str:
            "library": [os.path.getsize(lib), os.path.getmtime(lib)] if lib else None,
            "shapes": [cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                       cfg.head_vocab_size or cfg.vocab_size, min(cfg.num_layers, 1 << 20)],
-           "dtype": dtype, "tokens": MEASURE_TOKENS, "bytes": MEASURE_BYTES}
+           "dtype": dtype, "formats": formats, "tokens": MEASURE_TOKENS, "bytes": MEASURE_BYTES}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
 
 

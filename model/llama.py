@@ -439,7 +439,8 @@ class Llama(nnx.Module):
             return None
         weights = {name: [self._kernel_weight(lp, name, x) for lp in self.layers] for name in self.LINEARS}
         for kind, product, shape in (
-                (cpu_kernels.PackedWeight, cpu_kernels.skinny_matmul_layers, lambda w: (w.panels.shape, w.scales.shape)),
+                (cpu_kernels.PackedWeight, cpu_kernels.skinny_matmul_layers,
+                 lambda w: (w.panels.shape, w.scales.shape, w.format)),
                 (cpu_kernels.AmxWeight, cpu_kernels.amx_matmul_layers, lambda w: (w.hi.shape, w.lo.shape))):
             if all(isinstance(w, kind) and shape(w) == shape(ws[0]) for ws in weights.values() for w in ws):
                 return lambda h, name, layer: product(h, weights[name], layer).astype(h.dtype)

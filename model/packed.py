@@ -22,6 +22,7 @@ def keep_packed(owner, name: str, w: np.ndarray, dtype: str, amx_passes: int | N
     if amx_passes is None:
         p = cpu_kernels.pack(w, dtype, isa)
         setattr(owner, f"{name}_isa", isa)  # static: which of the skinny kernel's paths runs it
+        setattr(owner, f"{name}_format", p.format)  # static: panels, or exact GGUF blocks
         setattr(owner, f"{name}_panels", nnx.Variable(p.panels))
         setattr(owner, f"{name}_scales", nnx.Variable(p.scales))
         if source is not None and dtype != "float32":
@@ -41,7 +42,7 @@ def packed_weight(owner, name: str, n: int) -> cpu_kernels.AmxWeight | cpu_kerne
         return cpu_kernels.AmxWeight(getattr(owner, f"{name}_amx_hi")[...], getattr(owner, f"{name}_amx_lo")[...], n)
     if hasattr(owner, f"{name}_panels"):
         return cpu_kernels.PackedWeight(getattr(owner, f"{name}_panels")[...], getattr(owner, f"{name}_scales")[...], n,
-                                        getattr(owner, f"{name}_isa"))
+                                        getattr(owner, f"{name}_isa"), getattr(owner, f"{name}_format"))
     return None
 
 
