@@ -96,7 +96,9 @@ def pack_blocks(fmt: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.nda
     header = [np.pad(d, pad[1:]).reshape(nb, n_pad // PANEL, PANEL).transpose(1, 0, 2)]
     if fmt == "q4_1":
         header.append(np.pad(m, pad[1:]).reshape(nb, n_pad // PANEL, PANEL).transpose(1, 0, 2))
-        q = q[..., :8] | (q[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+        # 64 bits a row, nibble i of 32-bit half c = column 2 i + c (little-endian: byte 4 c + i // 2)
+        q = q.reshape(*q.shape[:3], 4, 2, 2)  # [..., byte pair b, nibble half h, c]: column 4 b + 2 h + c
+        q = (q[..., 0, :] | (q[..., 1, :] << 4)).transpose(0, 1, 2, 4, 3).reshape(*q.shape[:3], 8)
     parts = [np.ascontiguousarray(h, np.float16).view(np.uint8) for h in header]
     parts.append(np.ascontiguousarray(q).view(np.uint8).reshape(*q.shape[:2], -1))
     return np.ascontiguousarray(np.concatenate(parts, axis=-1))
@@ -108,8 +110,9 @@ def unpack_blocks(fmt: str, panels: np.ndarray, n: int) -> np.ndarray:
     d = panels[..., :32].copy().view(np.float16).astype(np.float32)  # [P, K/32, 16]
     if fmt == "q4_1":
         m = panels[..., 32:64].copy().view(np.float16).astype(np.float32)
-        packed = panels[..., 64:].reshape(p, nb, QK, 8)
-        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float32)
+        packed = panels[..., 64:].reshape(p, nb, QK, 2, 4)  # [..., c, byte b]
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1)  # [..., c, b, h]: column 4 b + 2 h + c
+        q = q.transpose(0, 1, 2, 4, 5, 3).reshape(p, nb, QK, PANEL).astype(np.float32)
     else:
         m = np.zeros_like(d)
         q = panels[..., 32:].copy().view(np.int8).reshape(p, nb, QK, PANEL).astype(np.float32)

@@ -14,8 +14,9 @@
 // registers: w = q * d + m (Q4_1, q in [0, 15]) or q * d (Q8_0, q in [-127, 127]). q * d is exact in f32
 // (at most 15 significant bits), so the widened w are the float32 values bit for bit and the sums are those
 // of the f32 panels, in the same order, from a fifth (Q4_1) or a quarter (Q8_0) of the bytes. A panel is
-// K / 32 blocks, each a header (16 fp16 d, then for Q4_1 16 fp16 m) and 32 k-rows of 16 columns: Q4_1 8
-// bytes a row (byte j: column j in the low nibble, column j + 8 in the high), Q8_0 16 int8.
+// K / 32 blocks, each a header (16 fp16 d, then for Q4_1 16 fp16 m) and 32 k-rows of 16 columns: Q4_1 a
+// 64-bit row whose 32-bit half c holds column 2 i + c in its nibble i (so lane j of a broadcast row shifts
+// right by 4 (j / 2) to reach its own), Q8_0 16 int8.
 //
 // AVX-512F and AVX2+FMA paths, chosen at run time (CPUID; see `cpu_features`). `jse_cpu_features` tells the Python side
 // which one runs (0: neither; the engine then keeps XLA's dot).
@@ -97,18 +98,20 @@ __attribute__((target("avx512f"))) void chunk_blocks_512(const float* x, int64_t
                                                          const float*, float* y, int64_t ldy, int64_t ncols) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m512i shifts = _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0);
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const auto* b = static_cast<const uint8_t*>(panel);
   for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
     for (int64_t kk = 0; kk < QK; kk += 2) {
       __m512 w0, w1;
       if constexpr (W == WType::Q4_1) {
+        // Each lane shifts its own nibble to the bottom of a broadcast row; vpermps reads only the low 4
+        // bits of an index, so it turns the nibble into its float with no masking.
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + kk * P / 2));
-        const __m128i lo = _mm_and_si128(v, nibble), hi = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
-        w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi))), d, m);
-        w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi64(lo, hi))), d, m);
+        const auto* row = reinterpret_cast<const long long*>(b + 64 + kk * P / 2);
+        w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(row[0]), shifts), levels), d, m);
+        w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(row[1]), shifts), levels), d, m);
       } else {
         const auto* q = reinterpret_cast<const __m128i*>(b + 32 + kk * P);
         w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
@@ -175,7 +178,9 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_blocks_256(const float* x, i
                                                                 int64_t ncols) {
   __m256 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  const __m256i shifts_lo = _mm256_set_epi32(12, 12, 8, 8, 4, 4, 0, 0);
+  const __m256i shifts_hi = _mm256_set_epi32(28, 28, 24, 24, 20, 20, 16, 16);
   const auto* b = static_cast<const uint8_t*>(panel);
   for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
     const __m256 dl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
@@ -185,10 +190,9 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_blocks_256(const float* x, i
       if constexpr (W == WType::Q4_1) {
         const __m256 ml = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32)));
         const __m256 mh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48)));
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 64 + kk * P / 2));
-        wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, nibble))), dl, ml);
-        wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), nibble))),
-                             dh, mh);
+        const __m256i row = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(b + 64 + kk * P / 2));
+        wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(row, shifts_lo), nibble)), dl, ml);
+        wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(row, shifts_hi), nibble)), dh, mh);
       } else {
         const uint8_t* q = b + 32 + kk * P;
         wl = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))), dl);
