@@ -129,7 +129,8 @@ def engine_worker(kernel_dtype: str, inputs: dict) -> dict:
             pass
         return time.perf_counter() - t
 
-    out = {"decode": {}, "kernels": {"family": engine.kernel_choice.family, "how": engine.kernel_choice.how}}
+    out = {"decode": {}, "kernels": {"family": engine.kernel_choice.family, "how": engine.kernel_choice.how},
+           "kernel_bytes": engine.runner.packed_bytes}
     for b in inputs["batch_sizes"]:
         ids = inputs["prompts"][:b]
         decode(ids, False), decode(ids, False)  # warm-up: the first compiles, the second meets prefix-cache hits
@@ -343,8 +344,8 @@ def main(argv):
     print("Values: median over rounds (min-max). Ratios of medians:")
     med = lambda name, b: statistics.median(x["decode"][str(b)]["tps"] for x in results[name])  # noqa: E731
     have = lambda name, b: results.get(name) and str(b) in results[name][0]["decode"]  # noqa: E731
-    for a, b_name in (("engine", "llama.cpp-f32"), ("engine-bf16", "llama.cpp-f16"), ("engine", "transformers"),
-                      ("engine-bf16", "transformers")):
+    for a, b_name in (("engine", "llama.cpp-f32"), ("engine-bf16", "llama.cpp-f16"), ("engine", "llama.cpp-q4_1"),
+                      ("engine", "engine-panels"), ("engine", "transformers"), ("engine-bf16", "transformers")):
         ratios = [f"batch {b} {med(a, b) / med(b_name, b):.2f}x" for b in batch_sizes if have(a, b) and have(b_name, b)]
         if ratios:
             print(f"  {a} / {b_name}: " + ", ".join(ratios))
@@ -353,7 +354,9 @@ def main(argv):
           f"{roofline:.1f} tok/s at batch 1")
     for name in programs:
         if have(name, 1):
-            print(f"    {name}: {100 * med(name, 1) / roofline:.0f}% of it")
+            own = results[name][0].get("kernel_bytes")  # an engine's: what its kernels stream per token
+            mine = f"; {100 * med(name, 1) * own / bw:.0f}% of the roofline of its own {own / 1e6:.0f} MB" if own else ""
+            print(f"    {name}: {100 * med(name, 1) / roofline:.0f}% of it{mine}")
     if ref:
         print("Greedy agreement with the engine (fp32), tokens before the first divergence (first round):")
         for name in programs:
