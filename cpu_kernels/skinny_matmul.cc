@@ -103,12 +103,13 @@ __attribute__((target("avx512f"))) void chunk_blocks_512(const float* x, int64_t
   const auto* b = static_cast<const uint8_t*>(panel);
   for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    const __m512 m = W == WType::Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)))
+                                      : _mm512_setzero_ps();
     for (int64_t kk = 0; kk < QK; kk += 2) {
       __m512 w0, w1;
       if constexpr (W == WType::Q4_1) {
         // Each lane shifts its own nibble to the bottom of a broadcast row; vpermps reads only the low 4
         // bits of an index, so it turns the nibble into its float with no masking.
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
         const auto* row = reinterpret_cast<const long long*>(b + 64 + kk * P / 2);
         w0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(row[0]), shifts), levels), d, m);
         w1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(row[1]), shifts), levels), d, m);
@@ -185,11 +186,14 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_blocks_256(const float* x, i
   for (int64_t k0 = 0; k0 < K; k0 += QK, b += kBlockBytes<W>) {
     const __m256 dl = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
     const __m256 dh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16)));
+    __m256 ml = _mm256_setzero_ps(), mh = _mm256_setzero_ps();
+    if constexpr (W == WType::Q4_1) {
+      ml = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32)));
+      mh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48)));
+    }
     for (int64_t kk = 0; kk < QK; ++kk) {
       __m256 wl, wh;
       if constexpr (W == WType::Q4_1) {
-        const __m256 ml = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32)));
-        const __m256 mh = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 48)));
         const __m256i row = _mm256_set1_epi64x(*reinterpret_cast<const long long*>(b + 64 + kk * P / 2));
         wl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(row, shifts_lo), nibble)), dl, ml);
         wh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(row, shifts_hi), nibble)), dh, mh);
