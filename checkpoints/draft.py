@@ -55,11 +55,13 @@ DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
 # What `speculative="auto"` turns on for a model (`LLM` arguments), once `benchmarks/speculative.py` shows it
-# pays there. SmolLM2: n-gram lookup under the cost gate. EAGLE-2 trees with the n-gram chain in them
+# pays there. SmolLM2: n-gram lookup under the cost gate. Since its fp32 step streams the GGUF's blocks
+# (~6.4 ms at batch 1 on the 2-core AVX-512 CPU, compute bound), a verify window costs ~1.6x a plain step at
+# 4 tokens, and the gate's n-gram drafts about break even there (auto / off 1.04x code, 0.97x summaries at
+# batch 1; 0.89-0.96x at batch 4, 2 noisy rounds). EAGLE-2 trees with the n-gram chain in them
 # (`{"speculative": "eagle", "num_tree_nodes": 7, "ngram_in_tree": True}`) make more tokens per step on chat
-# and code, but on the 2-core AVX-512 CPU their verify step costs 1.45-1.7x a plain one at batch 1, and their
-# five step programs per shape (19 s each to compile) do not fit the server's compile and memory-map budget
-# yet (benchmarks/RESULTS.md).
+# and code, but their wider verify costs more still, and their five step programs per shape (19 s each to
+# compile) do not fit the server's compile and memory-map budget yet (benchmarks/RESULTS.md).
 AUTO_SPECULATION: dict[str, dict] = {DEFAULT_MODEL: {"speculative": "ngram"}}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
