@@ -117,7 +117,7 @@ def pack(w, dtype: str = "float32", isa: str = "") -> PackedWeight:
         raise ValueError(f"pack wants a [K, N] weight, got shape {w.shape}")
     K, N = w.shape
     scales = np.zeros(0, np.float32)
-    if dtype == "float32" and os.environ.get("JSE_WEIGHT_BLOCKS", "1") != "0":
+    if dtype == "float32" and blocks.enabled():
         found = blocks.find_blocks(w)
         if found is not None:
             return PackedWeight(jnp.asarray(found[1]), jnp.asarray(scales), N, isa, found[0])

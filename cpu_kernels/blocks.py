@@ -13,6 +13,8 @@ output vocabulary) and for any checkpoint that holds such values (an orbax conve
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 QK = 32  # inputs per block
@@ -20,6 +22,11 @@ PANEL = 16  # output columns per panel
 FORMATS = {"q4_1": 1, "q8_0": 2}  # the kernel's `format` attribute
 BLOCK_BYTES = {"q4_1": 64 + QK * PANEL // 2, "q8_0": 32 + QK * PANEL}
 CHUNK = 256  # output columns examined at a time: a chunk's temporaries stay in cache
+
+
+def enabled() -> bool:
+    """Whether float32 weights may be kept in blocks (`JSE_WEIGHT_BLOCKS=0` in the environment keeps panels)."""
+    return os.environ.get("JSE_WEIGHT_BLOCKS", "1") != "0"
 
 
 def find_blocks(w: np.ndarray) -> tuple[str, np.ndarray] | None:

@@ -150,6 +150,18 @@ __attribute__((target("avx2,fma"))) inline void load_panel_row_256(const void* b
   }
 }
 
+// Rows' sums (16 columns as two ymm each) into y, the first `ncols` columns, times `scale` where given.
+template <int R>
+__attribute__((target("avx2,fma"))) inline void store_256(const __m256* lo, const __m256* hi, const float* scale,
+                                                          float* y, int64_t ldy, int64_t ncols) {
+  alignas(32) float buf[P];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(buf, lo[r]);
+    _mm256_store_ps(buf + 8, hi[r]);
+    for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = scale ? buf[j] * scale[j] : buf[j];
+  }
+}
+
 template <WType W, int R>
 __attribute__((target("avx2,fma"))) void chunk_256(const float* x, int64_t ldx, const void* panel, int64_t K,
                                                    const float* scale, float* y, int64_t ldy, int64_t ncols) {
@@ -164,12 +176,7 @@ __attribute__((target("avx2,fma"))) void chunk_256(const float* x, int64_t ldx, 
       hi[r] = _mm256_fmadd_ps(xb, wh, hi[r]);
     }
   }
-  alignas(32) float buf[P];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(buf, lo[r]);
-    _mm256_store_ps(buf + 8, hi[r]);
-    for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = scale ? buf[j] * scale[j] : buf[j];
-  }
+  store_256<R>(lo, hi, scale, y, ldy, ncols);
 }
 
 // The same sums over block-format panels, accumulators as in `chunk_256`.
@@ -210,12 +217,7 @@ __attribute__((target("avx2,fma,f16c"))) void chunk_blocks_256(const float* x, i
       }
     }
   }
-  alignas(32) float buf[P];
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(buf, lo[r]);
-    _mm256_store_ps(buf + 8, hi[r]);
-    for (int64_t j = 0; j < ncols; ++j) y[r * ldy + j] = buf[j];
-  }
+  store_256<R>(lo, hi, nullptr, y, ldy, ncols);
 }
 
 using ChunkFn = void (*)(const float*, int64_t, const void*, int64_t, const float*, float*, int64_t, int64_t);

@@ -86,7 +86,7 @@ def weight_formats(params: dict, dtype: str) -> dict[str, str]:
     """The block format (`cpu_kernels.blocks.find_blocks`) the skinny kernel will read each projection and the
     output head in, judged by the first `blocks.CHUNK` columns of layer 0's weight: name -> "q4_1" or "q8_0",
     only where one is found (none for a `dtype` other than float32 or with `JSE_WEIGHT_BLOCKS=0`)."""
-    if dtype != "float32" or os.environ.get("JSE_WEIGHT_BLOCKS", "1") == "0":
+    if dtype != "float32" or not blocks.enabled():
         return {}
     found = {}
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed"):
