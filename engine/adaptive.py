@@ -414,3 +414,77 @@ class StepCosts:
         if num_tokens > self.token_buckets[-1] or num_seqs > self.seq_buckets[-1]:
             return None
         return bucket_for(num_tokens, self.token_buckets), bucket_for(num_seqs, self.seq_buckets)
+
+
+class DraftRegret:
+    """What drafting has really cost each request class against decoding plainly, and the credit that bounds it.
+
+    The cost gate's choice rests on estimates (step costs, acceptance) that can be wrong, and its optimism
+    toward held classes (`_Acceptance.relax`) spends steps on drafts that may not pay. This keeps the
+    account, per request class and batch bucket S (whether drafting pays depends on the batch: on CPU a
+    wide verify costs more at batch 4 than at batch 1). Each decode step is one of the class's arms: drafting
+    (its rows drafted, or the step right after, which refills an async pipeline) or plain. Each arm keeps
+    its decayed tokens and seconds (the class's share of each step, by rows), so the plain arm measures
+    what decoding plainly gives here and now. After a drafting step the class is charged its regret, its
+    share of the step's seconds minus what the plain arm takes for the tokens its rows emitted, and every
+    decode step earns it `budget` of its share; both in plain steps (before the plain arm has `MIN_STEPS`
+    steps, the step cost the gate measured prices it). The gate drafts for a class only while its credit is
+    positive, so drafting that does not pay costs the class at most `budget` of its decode time (plus one
+    step) whatever the estimates got wrong, and drafting that pays is never stopped: its regret is negative.
+    Credit is capped at `cap` plain steps, so a past gain does not pay for a long losing run; a new class
+    starts with `start`.
+
+    Source: conservative exploration (Wu et al. 2016, *Conservative Bandits*: explore only while the
+    cumulative reward stays within a fraction of the safe arm's), with plain decoding as the safe arm.
+    """
+
+    BUDGET = 0.01
+    CAP = 16.0
+    START = 2.0
+    DECAY = 0.98  # weight of the past in an arm's sums, per step of the arm
+    MIN_STEPS = 8.0  # decayed steps of the plain arm before it prices the regret
+
+    def __init__(self, budget: float = BUDGET, cap: float = CAP, start: float = START):
+        self.budget, self.cap, self.start = budget, cap, start
+        self._credit: dict[tuple[str, int], float] = {}  # (class, S) -> plain steps
+        self._arms: dict[tuple[str, int, bool], list[float]] = {}  # (class, S, drafted) -> [tokens, seconds, steps]
+        self.last_drafted: dict[str, bool] = {}  # class -> whether its latest decode step counted as drafting
+
+    def allows(self, request_class: str, S: int) -> bool:
+        """Whether the class may draft in a batch of bucket S now (its credit is positive)."""
+        return self.credit(request_class, S) > 0
+
+    def credit(self, request_class: str, S: int) -> float:
+        return self._credit.get((request_class, S), self.start)
+
+    def observe(self, request_class: str, S: int, drafted: bool, rows: int, num_seqs: int, tokens: int,
+                seconds: float, plain: float) -> None:
+        """One decode step of `num_seqs` rows took `seconds`; `rows` of them were this class's and emitted
+        `tokens`; `drafted`: it counts as drafting; `plain`: the gate's measured seconds of this batch's plain
+        step (the price of a plain step until the plain arm has its own)."""
+        share = seconds * rows / num_seqs
+        off = self._arms.get((request_class, S, False))
+        if off is not None and off[2] >= self.MIN_STEPS:
+            per_token = off[1] / off[0]
+            plain = per_token * num_seqs  # a plain step of this batch, as the plain arm measured it
+        else:
+            per_token = plain / num_seqs
+        key = (request_class, S)
+        credit = self.credit(request_class, S) + self.budget * share / plain
+        if drafted:
+            credit -= (share - tokens * per_token) / plain
+        self._credit[key] = min(self.cap, credit)
+        arm = self._arms.setdefault((request_class, S, drafted), [0.0, 0.0, 0.0])
+        arm[0] = self.DECAY * arm[0] + tokens
+        arm[1] = self.DECAY * arm[1] + share
+        arm[2] = self.DECAY * arm[2] + 1
+        self.last_drafted[request_class] = drafted
+
+    def tokens_per_second(self) -> dict[tuple[str, bool], float]:
+        """(class, drafting) -> the class's tokens per second in its recent decode steps of that arm, over all
+        batch buckets."""
+        sums: dict[tuple[str, bool], list[float]] = {}
+        for (name, _, drafted), (tokens, seconds, _) in self._arms.items():
+            total = sums.setdefault((name, drafted), [0.0, 0.0])
+            total[0], total[1] = total[0] + tokens, total[1] + seconds
+        return {key: t / s for key, (t, s) in sums.items() if s > 0}

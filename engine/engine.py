@@ -22,7 +22,8 @@ from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
 from engine.prompt_lookup import NgramProposer
-from engine.proposers import DraftModelProposer, EagleProposer, MedusaProposer, Proposer
+from engine.medusa_proposer import MedusaProposer
+from engine.proposers import DraftModelProposer, EagleProposer, Proposer
 from model import medusa
 from model.eagle import FC
 from engine.inputs import check_token_ids
@@ -123,6 +124,7 @@ class Engine:
         self.on_step: Callable[[StepTiming], None] | None = None
         self._ahead: tuple | None = None  # async scheduling: the step dispatched ahead (`_dispatch_ahead`)
         self._gate_asked_at = -1  # the step whose drafts `_runs_ahead` had the cost gate choose
+        self._gate_seconds = 0.0  # the cost gate's time in `_runs_ahead`, for the next step's `propose`
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -256,6 +258,7 @@ class Engine:
             t4 = time.perf_counter()
             outputs = self._update(plan, result)
             timing.update = time.perf_counter() - t4
+        timing.propose, self._gate_seconds = timing.propose + self._gate_seconds, 0.0
         self.stats.add(timing)
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
@@ -263,6 +266,8 @@ class Engine:
         elif plan.seqs and self.proposer is not None and self.proposer.costs is not None:
             work = sum(attention_pairs(s.start, s.num_new_tokens) for s in plan.seqs)
             self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, work)
+            if _decodes_only(plan):
+                self.proposer.observe_step(plan.seqs, result.num_emitted[:len(plan.seqs)].tolist(), seconds)
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
         return outputs
@@ -288,6 +293,7 @@ class Engine:
             outputs = self._collect(plan, result)
             timing.update = time.perf_counter() - t
             timing.num_tokens, timing.num_seqs = flight.num_tokens, flight.num_seqs
+        timing.propose, self._gate_seconds = timing.propose + self._gate_seconds, 0.0
         self.stats.add(timing)
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
@@ -296,6 +302,8 @@ class Engine:
             # What a plain step costs here, host work hidden: what the gate's drafts must beat.
             work = sum(attention_pairs(s.start, s.num_new_tokens) for s in current[0].seqs)
             self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, None, seconds, work)
+            if _decodes_only(current[0]):
+                self.proposer.observe_step(current[0].seqs, [1] * len(current[0].seqs), seconds)
         if current is not None and self.on_step is not None:
             self.on_step(timing)
         return outputs
@@ -313,7 +321,9 @@ class Engine:
         if proposer.on_device:
             return False
         decodes = self.scheduler.decodes()
+        t = time.perf_counter()
         proposer.begin_step(decodes, self.num_steps)
+        self._gate_seconds += time.perf_counter() - t
         self._gate_asked_at = self.num_steps
         return not any(proposer.draft_len(r, self.num_steps) for r in decodes)
 
@@ -490,6 +500,11 @@ def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, f
     entry = {int(t): float(v) for t, v in zip(sampled.top_ids[row, slot, :n], sampled.top_logprobs[row, slot, :n])}
     entry.setdefault(int(sampled.tokens[row, slot]), float(sampled.logprobs[row, slot]))
     return entry
+
+
+def _decodes_only(plan: StepPlan) -> bool:
+    """Whether every row of `plan` decodes (samples after its one real token and its drafts): no prefill."""
+    return all(s.sample and s.num_new_tokens == 1 + s.num_draft for s in plan.seqs)
 
 
 def _proposer(draft, speculation: SpeculationConfig | None, target_config, config: EngineConfig) -> Proposer | None:

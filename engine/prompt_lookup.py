@@ -9,7 +9,7 @@ import numpy as np
 
 from engine.adaptive import SpeculationConfig
 from engine.proposers import Proposer
-from scheduler.ngram import Contexts, lookup, lookup_tree
+from scheduler.ngram import Contexts
 from scheduler.packing import tree_depths
 from scheduler.request import Request
 from scheduler.scheduler import StepPlan
@@ -24,11 +24,11 @@ class NgramProposer(Proposer):
     taking the latest match among those with the longest continuation. No
     model: it pays where the output copies its input (summaries, code edits,
     retrieval-augmented answers) and costs nothing where nothing matches (the
-    row then decodes plainly). The lookup is vectorized over the context with
-    numpy; each request's context is kept as a growing array.
+    row then decodes plainly). The lookup reads a dictionary of each n-gram's
+    positions per request, extended as tokens arrive (`scheduler.ngram.NgramIndex`).
 
     With `tree_nodes`, the continuations of every earlier match are merged into
-    a token tree (`scheduler.ngram.lookup_tree`): where the context repeated
+    a token tree (`scheduler.ngram.NgramIndex.lookup_tree`): where the context repeated
     itself with variations, the verify step tries them all at once
     (`engine.speculative.make_tree_verify_step`). A draft length the cost gate
     cuts keeps the first nodes, still a tree (parents come first).
@@ -39,7 +39,7 @@ class NgramProposer(Proposer):
 
     def __init__(self, config: SpeculationConfig):
         super().__init__(config)
-        self._contexts = Contexts()
+        self._contexts = Contexts(config.prompt_lookup_max, config.prompt_lookup_min)
         self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
         self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
         self._parents: dict[str, list[int]] = {}  # request id -> its latest tree's node parents
@@ -58,11 +58,10 @@ class NgramProposer(Proposer):
         if not k:
             tokens, n = [], 0
         elif c.tree_nodes:
-            tokens, self._parents[request.request_id], n = lookup_tree(
-                self._contexts.tokens(request), request.sampling.num_tree_nodes or c.tree_nodes, k, c.prompt_lookup_max,
-                c.prompt_lookup_min)
+            tokens, self._parents[request.request_id], n = self._contexts.index(request).lookup_tree(
+                request.sampling.num_tree_nodes or c.tree_nodes, k)
         else:
-            tokens, n = lookup(self._contexts.tokens(request), k, c.prompt_lookup_max, c.prompt_lookup_min)
+            tokens, n = self._contexts.index(request).lookup(k)
         self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
         return len(tokens)
 

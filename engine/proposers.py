@@ -15,9 +15,9 @@ drawn from, so the output follows the target's distribution exactly:
   on the device (`engine.speculative.make_eagle_step`; EAGLE-2 dynamic token
   trees: `make_eagle_tree_step`); its KV pool and the target's features per
   KV slot sit beside the target's pool.
-- `MedusaProposer`: Medusa heads on the target's last hidden state (Cai et
-  al. 2024) fill a static token tree inside the step program
-  (`engine.speculative.make_medusa_step`), verified by the coupled tree verify.
+- `engine.medusa_proposer.MedusaProposer`: Medusa heads on the target's last
+  hidden state (Cai et al. 2024) fill a static token tree inside the step
+  program (`engine.speculative.make_medusa_step`), verified by the coupled tree verify.
 - `engine.prompt_lookup.NgramProposer`: prompt lookup on the host (no
   model); its `p` is one-hot, so a draft token is accepted with probability
   q(x) (`engine.speculative.make_verify_step`).
@@ -33,7 +33,11 @@ request class at no drafts for `HOLD_STEPS` steps in a row, the class's
 requests stop keeping their draft state, so a device proposer's steps then
 cost what the target's alone do. Each step a class is held, its acceptance
 estimate relaxes toward the optimistic prior (`_Acceptance.relax`), so a
-held class is tried again on the requests that arrive later.
+held class is tried again on the requests that arrive later. What the gate's
+choices really cost is kept too (`engine.adaptive.DraftRegret`, fed by
+`observe_step` after every decode step): a class whose drafting has lost more
+than its small budget against the measured plain step drafts no more until
+the budget grows back, whatever the estimates say.
 
 Source: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling and the
 per-token acceptance rate alpha.
@@ -41,18 +45,13 @@ per-token acceptance rate alpha.
 
 from __future__ import annotations
 
-import numpy as np
-from flax import nnx
 
-from engine.adaptive import (AdaptiveSpeculation, CutAcceptance, SpeculationConfig, StepCosts, _Acceptance,
-                             attention_pairs, expected_accepted)
-from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, make_eagle_tree_step, make_medusa_step,
-                                make_spec_step)
-from engine.step import KVPool, Weights, build_model, kernel_layout, kv_bytes_per_block
-from model import medusa
+from engine.adaptive import (AdaptiveSpeculation, CutAcceptance, DraftRegret, SpeculationConfig, StepCosts,
+                             _Acceptance, attention_pairs, expected_accepted)
+from engine.speculative import (FeaturePool, eagle_tree_shape, make_eagle_step, make_eagle_tree_step, make_spec_step)
+from engine.step import KVPool, build_model, kv_bytes_per_block
 from model.eagle import FC
-from scheduler.ngram import Contexts, lookup
-from scheduler.packing import tree_depths
+from scheduler.ngram import Contexts
 from scheduler.request import InvalidRequestError, Request
 from scheduler.scheduler import StepPlan
 
@@ -105,6 +104,8 @@ class Proposer:
         self._cuts: dict = {}  # acceptance_key -> CutAcceptance, for proposers whose verifies report path ranks
         self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
         self._held: dict[str, int] = {}  # request class -> steps in a row the gate gave it no drafts
+        self.regret = DraftRegret()  # what drafting really cost per class; the gate drafts within its credit
+        self._drafted_before: dict[str, bool] = {}  # request class -> whether its latest decode step drafted
 
     def validate(self, sampling) -> None:
         """Raises InvalidRequestError if a request (`SamplingParams`) asks for more draft tokens or tree nodes
@@ -145,11 +146,16 @@ class Proposer:
 
     def begin_step(self, decodes: list[Request], step: int) -> None:
         """Chooses this step's draft length for each of `decodes` (the requests that may decode)."""
-        self._drafts = {r.request_id: self.wanted(r, step) for r in decodes}
-        if self.costs is None or not decodes or self.config.min_acceptance == 0:
-            return
         B, base = len(decodes), (0 if self.on_device else None)
-        shape = self.costs.shape(B, B)
+        gated = self.costs is not None and B and self.config.min_acceptance > 0
+        shape = self.costs.shape(B, B) if gated else None
+        # A class whose drafting has spent its credit at this batch size drafts nothing, and is not looked up.
+        broke = [r for r in decodes if shape and not self._draft_dependent(r)
+                 and not self.regret.allows(r.request_class, shape[1])]
+        skip = {r.request_id for r in broke}
+        self._drafts = {r.request_id: 0 if r.request_id in skip else self.wanted(r, step) for r in decodes}
+        if not gated:
+            return
         plain_work = sum(attention_pairs(r.num_computed_tokens, 1) for r in decodes)
         plain = self.costs.get(*shape, base, plain_work) if shape else None
         if plain is None:  # measure this batch size's plain step first
@@ -163,12 +169,11 @@ class Proposer:
             k = self._drafts[r.request_id]
             if not k:
                 continue
-            a = self.alpha(r)
             if self._draft_dependent(r):
                 fixed, fixed_k, gain = fixed + k, max(fixed_k, k), gain + self.expected_tokens(r, k)
                 work += self._extra_pairs(r, k)
             else:
-                rows.append((a, k, r))
+                rows.append((self.alpha(r), k, r))
         rows.sort(key=lambda row: -row[0])
         idle = self._cost(B, fixed, fixed_k, work, plain_at, base)
         if base is not None and not fixed:
@@ -195,14 +200,42 @@ class Proposer:
         for c, d in drafted.items():
             self._held[c] = 0 if d else self._held.get(c, 0) + 1
         # Without verifies a held class's alpha would never change, so a class held once would be held forever.
-        held = {self.acceptance_key(r) for _, _, r in rows} - {self.acceptance_key(r) for _, _, r in rows[:m] if cap}
+        for r in broke:
+            self._held[r.request_class] = self._held.get(r.request_class, 0) + 1
+        held = ({self.acceptance_key(r) for _, _, r in rows} | {self.acceptance_key(r) for r in broke}) - {
+            self.acceptance_key(r) for _, _, r in rows[:m] if cap}
         for key in held:
-            self._acceptance[key].relax()
+            self._acceptance.setdefault(key, _Acceptance()).relax()
             if key in self._cuts:
                 self._cuts[key].relax()
-        for _, _, r in rows:
+        for r in [r for _, _, r in rows] + broke:
             if self._held[r.request_class] >= HOLD_STEPS:
                 self.release(r)
+
+    def observe_step(self, seqs, emitted: list[int], seconds: float) -> None:
+        """A step of decode rows only (`ScheduledSeq`s, each sampling) emitted `emitted` tokens per row in
+        `seconds`: charges each class's drafting its regret against this batch's measured plain step
+        (`DraftRegret`). Nothing is charged before the plain step is measured."""
+        if self.costs is None or not seqs:
+            return
+        B = len(seqs)
+        shape = self.costs.shape(B, B)
+        if shape is None:
+            return
+        work = sum(attention_pairs(s.start, 1) for s in seqs)
+        plain = self.costs.get(*shape, None, work) or (self.costs.get(*shape, 0, work) if self.on_device else None)
+        if not plain:
+            return
+        classes: dict[str, list] = {}
+        for s, n in zip(seqs, emitted):
+            c = classes.setdefault(s.request.request_class, [0, 0, False])
+            c[0], c[1], c[2] = c[0] + 1, c[1] + n, c[2] or bool(s.num_draft)
+        for name, (rows, tokens, drafted) in classes.items():
+            # The step after a drafting one is part of its cost: with async scheduling, a drafting step runs
+            # synchronously and the next one refills the pipeline (its host work is not hidden).
+            after = self._drafted_before.get(name, False)
+            self._drafted_before[name] = drafted
+            self.regret.observe(name, shape[1], drafted or after, rows, B, tokens, seconds, plain)
 
     def release(self, request: Request) -> None:
         """The gate has held `request`'s class at no drafts for `HOLD_STEPS` steps in a row: stop keeping
@@ -237,12 +270,14 @@ class Proposer:
 
     @property
     def gate_caps(self) -> tuple[int, ...]:
-        """The draft-length caps the cost gate tries: the ladder K, K/2, ..., 1 for chains; for token trees,
-        cuts that fill a power-of-two verify window (1, 3, 7, 15 nodes + the root) and the whole tree, so a
-        CPU, where a wide window costs more, verifies small trees and a GPU large ones."""
+        """The draft-length caps the cost gate tries: for chains, every length up to K on the host (its one
+        verify program serves them all, and K = 3 fills a 4-token window where K = 4 pads to 8), the ladder
+        K, K/2, ..., 1 on the device (a program per length); for token trees, cuts that fill a power-of-two
+        verify window (1, 3, 7, 15 nodes + the root) and the whole tree, so a CPU, where a wide window costs
+        more, verifies small trees and a GPU large ones."""
         n = self.config.tree_nodes
         if not n:
-            return self.config.ladder
+            return self.config.ladder if self.on_device else tuple(range(1, self.config.num_speculative_tokens + 1))
         return tuple(sorted({c for c in (1, 3, 7, 15) if c < n} | {n}))
 
     def draft_len(self, request: Request, step: int) -> int:
@@ -424,7 +459,7 @@ class EagleProposer(DraftModelProposer):
                              f"({target_config.hidden_size})")
         super().__init__(head, config, target_config.vocab_size, engine_config)
         self.target_config = target_config
-        self._contexts = Contexts()
+        self._contexts = Contexts(config.prompt_lookup_max, config.prompt_lookup_min)
         self._chains: dict[str, tuple[list[int], int]] = {}  # request id -> (n-gram chain, matched n)
 
     def pools(self, num_blocks: int, block_size: int) -> tuple:
@@ -447,8 +482,7 @@ class EagleProposer(DraftModelProposer):
         if not n or not k:
             return k
         if c.ngram_in_tree:
-            self._chains[request.request_id] = lookup(self._contexts.tokens(request), c.num_speculative_tokens,
-                                                      c.prompt_lookup_max, c.prompt_lookup_min)
+            self._chains[request.request_id] = self._contexts.index(request).lookup(c.num_speculative_tokens)
         n = min(n, request.sampling.num_tree_nodes or n)
         return max(1, n * k // c.num_speculative_tokens)
 
@@ -502,85 +536,3 @@ class EagleProposer(DraftModelProposer):
         super().forget(request_id)
         self._contexts.forget(request_id)
         self._chains.pop(request_id, None)
-
-
-class MedusaProposer(DraftModelProposer):
-    """Medusa heads (`model.medusa.MedusaHeads`) guessing from the target's features, inside the step program.
-
-    Every drafting row verifies the same static tree (`model.medusa.medusa_tree`
-    from the heads' measured top-i accuracies: `tree_nodes` nodes, or without
-    trees the chain of each head's top token), its tokens filled on the device
-    from the heads' candidates (`engine.speculative.make_medusa_step`). The
-    target's hidden state at every KV slot is kept in a `FeaturePool`; a step
-    without the heads' program leaves it behind for its requests, which then
-    stop drafting (as with a draft model). The candidates are a deterministic
-    function of the target's state and the verify is the coupled tree verify,
-    so the output is the target's whatever is drafted (`output_independent`).
-
-    Args:
-      heads: a `checkpoints.LoadedModel` with `model.medusa.W` in its params (`checkpoints.draft.load_draft`).
-      config: the tree (`tree_nodes`), its depth cap (`num_speculative_tokens`) and the adaptive settings.
-      target_config: the target's `ModelConfig`.
-      engine_config: the `EngineConfig`; on CPU the heads' products then run in the native kernels, with
-        weights in its `draft_kernel_dtype` (default: the heads' `stored_dtype`, else the target's dtype;
-        `engine.step.kernel_layout`). None: XLA's dot.
-    Raises:
-      ValueError: not Medusa heads, heads of another width, or more tree nodes than the heads can fill.
-    """
-
-    kind = "medusa"
-    output_independent = True
-
-    def __init__(self, heads, config: SpeculationConfig, target_config, engine_config=None):
-        if medusa.W not in heads.params:
-            raise ValueError(f"{heads.config.name} are not Medusa heads (no {medusa.W})")
-        Proposer.__init__(self, config)
-        module = medusa.MedusaHeads(target_config, heads.params)
-        layout = engine_config and kernel_layout(
-            engine_config, engine_config.draft_kernel_dtype or heads.stored_dtype or target_config.dtype)
-        self.packed_bytes = module.pack_linears(*layout) if layout else 0
-        self.model_config = target_config
-        graphdef, state = nnx.split(module)
-        self.graphdef, self.state = graphdef, Weights.of(state)
-        accuracy = np.asarray(heads.params[medusa.ACCURACY])[:config.num_speculative_tokens]
-        if config.tree_nodes:
-            self.parents, heads_of, ranks = medusa.medusa_tree(accuracy, config.tree_nodes)
-        else:  # the chain of each head's top token
-            n = len(accuracy)
-            self.parents, heads_of, ranks = list(range(n)), list(range(n)), [0] * n
-        self.tree = (tuple(heads_of), tuple(ranks))
-        self._depths = tree_depths(np.array([-1, *self.parents]), self.kind)
-        self._behind: set[str] = set()
-
-    def wanted(self, request: Request, step: int) -> int:
-        """The tree's first nodes up to the first one deeper than the policy's K (which a request's own
-        `num_speculative_tokens` caps), at most the request's `num_tree_nodes`; 0 once the request's features
-        fell behind."""
-        if request.request_id in self._behind:
-            return 0
-        k = self.policy_k(request, step)
-        deeper = np.flatnonzero(self._depths[1:] > k)
-        n = int(deeper[0]) if len(deeper) else len(self.parents)
-        return min(n, request.sampling.num_tree_nodes or n)
-
-    @property
-    def program_ks(self) -> tuple[int, ...]:
-        """One program, the whole tree: unused window slots cost nothing (`_window_rows`)."""
-        return (len(self.parents),)
-
-    def depth(self, request: Request, k: int) -> int:
-        return int(self._depths[:k + 1].max())
-
-    def tree_parents(self, plan: StepPlan) -> dict[str, list[int]]:
-        return {s.request.request_id: self.parents[:s.num_draft] for s in plan.seqs if s.num_draft}
-
-    def pools(self, num_blocks: int, block_size: int) -> tuple:
-        return (FeaturePool.zeros(self.model_config, num_blocks, block_size),)
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return FeaturePool.bytes_per_block(self.model_config, block_size)
-
-    def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for a tree cut to its first `K` nodes (`engine.speculative.make_medusa_step`)."""
-        return make_medusa_step(target_graphdef, self.graphdef, attention, K,
-                                (self.tree[0][:K], self.tree[1][:K]))

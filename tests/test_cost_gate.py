@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.adaptive import (CutAcceptance, SpeculationConfig, StepCosts, attention_pairs, expected_accepted,
+from engine.adaptive import (CutAcceptance, DraftRegret, SpeculationConfig, StepCosts, attention_pairs, expected_accepted,
                              oracle_tree_acceptance)
 from engine.prompt_lookup import NgramProposer
 from engine.proposers import Proposer
 from scheduler.packing import power_of_two_buckets
 from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import ScheduledSeq
 
 BUCKETS = power_of_two_buckets(64)
 
@@ -324,7 +325,7 @@ def test_the_gate_cuts_trees_to_the_window_that_pays(window_ms, want):
     (GPU) the whole tree, 4 deep."""
     config = SpeculationConfig(4, method="ngram", tree_nodes=12)
     p = _Tree(config, {"r0": 12})
-    assert p.gate_caps == (1, 3, 7, 12) and Proposer(SpeculationConfig(4)).gate_caps == (1, 2, 4)
+    assert p.gate_caps == (1, 3, 7, 12)
     _teach(p, "default", [(4, 1)])  # alpha 0.51: one of two tried path positions accepted
     assert p.alpha(_decodes(1)[0]) == pytest.approx(0.5, abs=0.01)
     p.costs.observe(1, 1, None, 0.020)
@@ -395,3 +396,106 @@ def test_a_held_class_is_tried_again_and_held_again_on_fresh_misses():
     p.record(r, 1, 0, len(drafts))  # the retry accepts nothing: held again
     p.begin_step([r], len(drafts))
     assert p.draft_len(r, len(drafts)) == 0 and p.alpha(r) < 1 / 3
+
+
+def _run_realized(p, rows, steps, drafted_seconds, drafted_tokens, plain=0.020):
+    """Runs `steps` gate decisions over `rows`; a step that drafts takes `drafted_seconds` and emits
+    `drafted_tokens` per drafting row (the gate's estimates never learn it: no verify is recorded), a plain
+    step takes `plain`. Returns the engine steps that drafted."""
+    drafted = []
+    for step in range(steps):
+        p.begin_step(rows, step)
+        for r in rows:
+            r.num_computed_tokens = 3  # fixed contexts: each step is priced the same
+        seqs = [ScheduledSeq(r, 3, 1 + p.draft_len(r, step), True, p.draft_len(r, step)) for r in rows]
+        if any(s.num_draft for s in seqs):
+            drafted.append(step)
+            p.observe_step(seqs, [drafted_tokens if s.num_draft else 1 for s in seqs], drafted_seconds)
+        else:
+            p.observe_step(seqs, [1] * len(seqs), plain)
+    return drafted
+
+
+def test_drafting_that_does_not_pay_costs_at_most_its_budget():
+    """The gate's model says drafting pays (a cheap verify, alpha 1) but every drafting step really takes two
+    plain steps and accepts nothing: drafting stops once the start credit is spent, and after that only the
+    budget's 1% of the class's time goes to drafts (the exploration that would notice a change)."""
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    p.costs.observe(4, 4, None, 0.020, 4 * attention_pairs(3, 1))
+    p.costs.observe(8, 4, 2, 0.021, 4 * attention_pairs(3, 3))
+    rows = _decodes(4)
+    drafted = _run_realized(p, rows, 1000, drafted_seconds=0.040, drafted_tokens=1)
+    # Each drafting step loses one plain step and earns 0.02 (the step after it loses nothing and earns 0.01),
+    # each plain step earns 0.01. The credit starts at 2 and drafting stops the first time it is not positive.
+    assert drafted[:3] == [0, 1, 2] and 3 not in drafted
+    loss = len(drafted) / 1000  # extra plain steps per step
+    assert 0.7 * DraftRegret.BUDGET < loss <= DraftRegret.BUDGET + (DraftRegret.START + 1) / 1000
+    assert any(step > 900 for step in drafted)  # it keeps exploring, within the budget
+    assert not p.regret.allows("default", 4) or p.regret.credit("default", 4) <= DraftRegret.BUDGET * 2
+
+
+def test_drafting_that_pays_is_never_stopped_and_the_account_is_per_batch_bucket():
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"{c}{i}": 2 for c in "rq" for i in range(4)})
+    p.costs.observe(1, 1, None, 0.020, attention_pairs(3, 1))
+    p.costs.observe(4, 1, 2, 0.021, attention_pairs(3, 3))
+    p.costs.observe(4, 4, None, 0.020, 4 * attention_pairs(3, 1))
+    p.costs.observe(8, 4, 2, 0.021, 4 * attention_pairs(3, 3))
+    one = _decodes(1)
+    # Batch 1: 3 tokens in 1.2 plain steps, every step.
+    assert _run_realized(p, one, 100, drafted_seconds=0.024, drafted_tokens=3) == list(range(100))
+    assert p.regret.credit("default", 1) == DraftRegret.CAP
+    # Batch 4 (its own account): drafting there loses, and stops, while batch 1 keeps drafting.
+    four = _decodes(4, prefix="q")
+    assert _run_realized(p, four, 40, drafted_seconds=0.040, drafted_tokens=1) == [0, 1, 2]
+    assert not p.regret.allows("default", 4) and p.regret.allows("default", 1)
+    rates = p.regret.tokens_per_second()
+    assert rates[("default", True)] < rates[("default", False)]  # the last steps drafted at batch 4 and lost
+
+
+def test_chains_are_cut_to_any_length_on_the_host_and_to_the_ladder_on_the_device():
+    """A host proposer's one verify program serves every draft length, so the gate tries them all: at alpha
+    0.75, K = 3 fills a 4-token window (1 + E(0.75, 3) = 2.73 tokens in 22 ms) where K = 4 pads to 8 tokens
+    (3.05 in 30 ms) and K = 2 leaves a slot unused (2.31 in 21 ms). A device proposer has a program per ladder length (4, 2, 1) and is cut to those."""
+    host = _Fixed(SpeculationConfig(4), {"r0": 4})
+    assert host.gate_caps == (1, 2, 3, 4) and host.program_ks == (4,)
+    device = _Fixed(SpeculationConfig(4), {"r0": 4})
+    device.on_device = True
+    assert device.gate_caps == (1, 2, 4) == device.program_ks
+    _teach(host, "default", [(4, 3)])
+    host.costs.observe(1, 1, None, 0.020)
+    host.costs.observe(2, 1, 4, 0.021)
+    host.costs.observe(4, 1, 4, 0.022)
+    host.costs.observe(8, 1, 4, 0.030)
+    [r] = _decodes(1)
+    host.begin_step([r], 0)
+    assert host.draft_len(r, 0) == 3
+
+
+def test_the_plain_steps_measured_alongside_price_the_regret():
+    """The gate's step costs say a plain batch-4 step takes 30 ms (an early slow stretch), so its drafts look
+    like gains: 5 tokens in 28 ms. The class's own plain steps, run in between, take 20 ms: 5 tokens are
+    worth 25 ms, and each drafting step loses 3 ms. Once the plain arm has its steps, the account charges
+    that loss, the credit runs out, and drafting falls from every third step to what the budget pays for:
+    the loss stays within 1% of the time (each drafting step loses 0.15 plain steps; each step earns 0.01)."""
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    p.costs.observe(4, 4, None, 0.030, 4 * attention_pairs(3, 1))
+    p.costs.observe(8, 4, 2, 0.021, 4 * attention_pairs(3, 3))
+    rows, drafted = _decodes(4), []
+    for step in range(900):
+        for r in rows:
+            p.want[r.request_id] = 2 if step % 3 == 0 else 0  # a lookup matches every third step
+            r.num_computed_tokens = 3
+        p.begin_step(rows, step)
+        seqs = [ScheduledSeq(r, 3, 1 + p.draft_len(r, step), True, p.draft_len(r, step)) for r in rows]
+        if any(s.num_draft for s in seqs):
+            drafted.append(step)
+            p.observe_step(seqs, [2, 1, 1, 1], 0.028)
+        else:
+            p.observe_step(seqs, [1] * 4, 0.020)
+    assert drafted[:10] == list(range(0, 30, 3))  # priced by the gate's plain step at first: gains
+    late = [s for s in drafted if s >= 600]
+    assert 10 < len(late) < 30  # of the 100 steps where a lookup matched
+    loss, time = len(late) * (0.028 - 5 * 0.020 / 4), len(late) * 0.028 + (300 - len(late)) * 0.020
+    assert loss / time <= DraftRegret.BUDGET * 1.1
+    rates = p.regret.tokens_per_second()
+    assert rates[("default", False)] == pytest.approx(4 / 0.020)

@@ -146,7 +146,7 @@ def test_tree_is_cut_at_the_requests_depth(target, heads):
     """The tree is best-first ((0,) 0.6, (0,0) 0.3, (1,) 0.25, (1,0) 0.125, ...); a request's own
     num_speculative_tokens caps its depth: the tree's nodes up to the first deeper one; depth(k) is the
     first k nodes' deepest path."""
-    from engine.proposers import MedusaProposer
+    from engine.medusa_proposer import MedusaProposer
     from scheduler.request import Request
     proposer = MedusaProposer(heads, TREE, target.config)
     assert proposer.parents[:4] == [0, 1, 0, 3] and proposer.tree[0][:4] == (0, 1, 0, 1)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
 from engine.adaptive import SpeculationConfig
-from scheduler.ngram import lookup, lookup_tree
+from scheduler.ngram import NgramIndex, lookup, lookup_tree
 from scheduler.packing import _ancestor_masks
 from scheduler.request import SamplingParams
 from tests.test_speculative import _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
@@ -85,6 +85,19 @@ def test_lookup_tree_is_a_trie_of_continuations_led_by_the_chain(context, depth,
             path.insert(0, tokens[j - 1])
             j = parents[j - 1]
         assert len(path) <= depth and any(context[e + 1:e + 1 + len(path)] == path for e in ends)
+
+
+@settings(max_examples=200, deadline=None)
+@given(context=st.lists(st.integers(0, 3), min_size=1, max_size=40), cuts=st.lists(st.integers(1, 40), max_size=4),
+       k=st.integers(1, 5), max_n=st.integers(1, 4))
+def test_an_index_extended_piece_by_piece_answers_as_a_fresh_one(context, cuts, k, max_n):
+    """The engine extends each request's index with the tokens of every step and looks up in between."""
+    index = NgramIndex(max_n, 1)
+    for end in sorted(cuts) + [len(context)]:
+        index.extend(context[len(index.tokens):end])
+        fresh = context[:len(index.tokens)]
+        assert index.lookup(k) == _lookup_by_hand(fresh, k, max_n, 1)
+        assert index.lookup_tree(8, k) == lookup_tree(np.asarray(fresh, np.int32), 8, k, max_n, 1)
 
 
 def test_lookup_respects_min_n():
@@ -170,6 +183,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(ngram):
     others = [SamplingParams(temperature=1.0, seed=i, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(3)]
     mixed = _run(ngram, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
     assert mixed[1].token_ids == alone.token_ids and alone.num_draft_tokens > 0
+
+
+def test_default_settings_keep_a_seeded_output_independent_of_its_batch_mates(target):
+    """The default settings: the cost gate and its regret account choose each step's draft lengths from
+    measured times (which differ run to run), with async scheduling; a seeded sampled request still gets the
+    plain engine's tokens, alone or beside others."""
+    plain = Engine(target, CFG)
+    default = Engine(target, dataclasses.replace(CFG, async_scheduling=True), speculation=SpeculationConfig(
+        3, method="ngram"))
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(3)]
+    want = _run(plain, [PROMPTS[0]], [sp])[0].token_ids
+    for _ in range(2):  # the second round: the gate has measured, the prefix cache hits
+        assert _run(default, [PROMPTS[0]], [sp])[0].token_ids == want
+        mixed = _run(default, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
+        assert mixed[1].token_ids == want
+    assert default.proposer.regret.last_drafted  # the account saw decode steps
 
 
 def test_seeded_sampled_output_equals_decoding_without_speculation(target, ngram):

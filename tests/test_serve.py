@@ -490,6 +490,17 @@ def test_ngram_server_lists_its_kind_and_matches_offline():
             got = c.generate(prompt, **kw)
             want = _offline(s, llm, [prompt], SamplingParams(**kw))[0]
             assert got.token_ids == want.token_ids and got.usage.HasField("acceptance_rate")
+            # What the cost gate's regret account measured, per class, drafting and off (`/metrics`).
+            metrics = s.server.metrics
+            metrics.record_engine_state(llm.engine)
+            rate = {arm: metrics.registry.get_sample_value("engine_spec_class_tokens_per_second",
+                                                           {"request_class": "default", "proposer": arm})
+                    for arm in ("ngram", "off")}
+            assert rate["ngram"] > 0 and rate["off"] > 0, rate
+            chosen = [metrics.registry.get_sample_value("engine_spec_class_proposer",
+                                                        {"request_class": "default", "proposer": arm})
+                      for arm in ("ngram", "off")]
+            assert sorted(chosen) == [0.0, 1.0]
             with pytest.raises(grpc.RpcError) as e:
                 c.generate(prompt, speculation=True, speculation_kind="draft", **kw)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'draft' is not available" in e.value.details()

@@ -97,6 +97,14 @@ class Metrics:
                                       "The proposer's host seconds (cost gate, lookups) / all step seconds since "
                                       "start; a device proposer's draft passes are in the step program.",
                                       registry=r)
+        self.class_tokens_per_second = prom.Gauge(
+            "engine_spec_class_tokens_per_second", "Per request class: tokens per second of its decode steps "
+            "(its share of each step's time, decayed over its recent steps) with the proposer drafting, and "
+            "off: what the cost gate's regret account weighs (engine.adaptive.DraftRegret).",
+            ["request_class", "proposer"], registry=r)
+        self.class_proposer = prom.Gauge(
+            "engine_spec_class_proposer", "Per request class: 1 for what its latest decode step ran (the "
+            "proposer, or off), 0 for the other.", ["request_class", "proposer"], registry=r)
         prom.Gauge("engine_compilations", "XLA programs compiled by this process.",
                    registry=r).set_function(compilation_count)
         prom.Gauge("engine_generation_tokens_per_second",
@@ -131,6 +139,13 @@ class Metrics:
             self.acceptance_length.set(stats.acceptance_length)
             for i, rate in enumerate(stats.position_acceptance):
                 self.position_acceptance.labels(str(i)).set(rate)
+        proposer = engine.proposer
+        if proposer is not None:
+            for (name, drafted), rate in proposer.regret.tokens_per_second().items():
+                self.class_tokens_per_second.labels(name, proposer.kind if drafted else "off").set(rate)
+            for name, drafted in proposer.regret.last_drafted.items():
+                self.class_proposer.labels(name, proposer.kind).set(float(drafted))
+                self.class_proposer.labels(name, "off").set(float(not drafted))
 
     def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
         self.finished.labels(reason).inc()
