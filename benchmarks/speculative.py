@@ -41,8 +41,9 @@ batch is timed): tok/s = tokens emitted in the timed steps / their time.
   asserts greedy outputs equal to "off"'s.
 
 Prompts are the first ones of each file's held-out split, which distillation
-never trains on (`training/data.py`); `--split=train` takes the training split's
-instead, to tell how much of a head's acceptance is fitting its training prompts.
+never trains on (`training/data.py`), then the training split's where a batch needs more (creative at batch
+16); `--split=train` takes the training split's instead, to tell how much of a head's acceptance is fitting
+its training prompts.
 """
 
 from __future__ import annotations
@@ -104,15 +105,18 @@ flags.DEFINE_list("early_exit_layers", None, "Use an untrained early-exit draft 
 
 
 def _prompts(tok, domain, n, offset=0):
-    """n prompts of the domain's --split (held out: never trained on, training/data.py), from --skip + offset."""
+    """n prompts of the domain's --split (held out: never trained on, training/data.py), from --skip + offset;
+    where the held-out split is too small for a batch (creative has 12), the training split's fill it."""
     from training.data import EVAL_PERCENT, prompt_hash
 
     rows = read_prompts(domain)
     held_out = FLAGS.split == "held_out"
     split = [r["prompt"] for r in rows if (prompt_hash(r["id"]) % 100 < EVAL_PERCENT.get(domain, 100)) == held_out]
+    if held_out:
+        split += [r["prompt"] for r in rows if prompt_hash(r["id"]) % 100 >= EVAL_PERCENT.get(domain, 100)]
     texts = split[FLAGS.skip + offset:FLAGS.skip + offset + n]
     if len(texts) < n:
-        raise ValueError(f"{domain}: {len(split)} {FLAGS.split} prompts, {FLAGS.skip + offset + n} needed")
+        raise ValueError(f"{domain}: {len(split)} prompts, {FLAGS.skip + offset + n} needed")
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True))
             for t in texts]
 

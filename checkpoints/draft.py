@@ -55,13 +55,12 @@ DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
 # What `speculative="auto"` turns on for a model (`LLM` arguments), once `benchmarks/speculative.py` shows it
-# pays there. SmolLM2: n-gram lookup under the cost gate. Since its fp32 step streams the GGUF's blocks
-# (~6.4 ms at batch 1 on the 2-core AVX-512 CPU, compute bound), a verify window costs ~1.6x a plain step at
-# 4 tokens, and the gate's n-gram drafts about break even there (auto / off 1.04x code, 0.97x summaries at
-# batch 1; 0.89-0.96x at batch 4, 2 noisy rounds). EAGLE-2 trees with the n-gram chain in them
-# (`{"speculative": "eagle", "num_tree_nodes": 7, "ngram_in_tree": True}`) make more tokens per step on chat
-# and code, but their wider verify costs more still, and their five step programs per shape (19 s each to
-# compile) do not fit the server's compile and memory-map budget yet (benchmarks/RESULTS.md).
+# pays there. SmolLM2: n-gram lookup under the cost gate and its regret account (`engine.adaptive.DraftRegret`).
+# On the 2-core AVX-512 CPU without AMX the fp32 step is ~6 ms and compute bound (a 4-token window costs 1.42x a
+# step, 8 tokens 2.12x): auto / off at batch 1 is 1.66x on long_context and 0.88-1.10x elsewhere, and at batch 4
+# and 16 0.88-1.12x (3 noisy rounds, RESULTS.md session 7). EAGLE-2 trees (with the n-gram chain in them:
+# `{"speculative": "eagle", "num_tree_nodes": 7, "ngram_in_tree": True}`) take 20-24 ms a step there (0.50-0.63x
+# forced at batch 1), and their step programs do not fit the server's compile and memory-map budget yet.
 AUTO_SPECULATION: dict[str, dict] = {DEFAULT_MODEL: {"speculative": "ngram"}}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
