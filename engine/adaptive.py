@@ -426,11 +426,13 @@ class DraftRegret:
     (its rows drafted, or the step right after, which refills an async pipeline) or plain. Each arm keeps
     its decayed tokens and seconds (the class's share of each step, by rows), so the plain arm measures
     what decoding plainly gives here and now. After a drafting step the class is charged its regret, its
-    share of the step's seconds minus what the plain arm takes for the tokens its rows emitted, and every
+    share of the step's seconds minus what the plain arm takes for the tokens its rows emitted, less
+    `MARGIN` (drafting that merely breaks even is noise and host load for nothing), and every
     decode step earns it `budget` of its share; both in plain steps (before the plain arm has `MIN_STEPS`
     steps, the step cost the gate measured prices it). The gate drafts for a class only while its credit is
     positive, so drafting that does not pay costs the class at most `budget` of its decode time (plus one
-    step) whatever the estimates got wrong, and drafting that pays is never stopped: its regret is negative.
+    step) whatever the estimates got wrong, and drafting that pays more than `MARGIN` is never stopped: its
+    regret is negative.
     Credit is capped at `cap` plain steps, so a past gain does not pay for a long losing run; a new class
     starts with `start`.
 
@@ -439,6 +441,7 @@ class DraftRegret:
     """
 
     BUDGET = 0.01
+    MARGIN = 0.05  # drafting is charged as if plain decoding were this much faster: a break-even class stops
     CAP = 16.0
     START = 2.0
     DECAY = 0.98  # weight of the past in an arm's sums, per step of the arm
@@ -448,6 +451,7 @@ class DraftRegret:
         self.budget, self.cap, self.start = budget, cap, start
         self._credit: dict[tuple[str, int], float] = {}  # (class, S) -> plain steps
         self._arms: dict[tuple[str, int, bool], list[float]] = {}  # (class, S, drafted) -> [tokens, seconds, steps]
+        self._drafted: dict[str, bool] = {}  # class -> whether its rows drafted in its latest decode step
         self.last_drafted: dict[str, bool] = {}  # class -> whether its latest decode step counted as drafting
 
     def allows(self, request_class: str, S: int) -> bool:
@@ -460,8 +464,11 @@ class DraftRegret:
     def observe(self, request_class: str, S: int, drafted: bool, rows: int, num_seqs: int, tokens: int,
                 seconds: float, plain: float) -> None:
         """One decode step of `num_seqs` rows took `seconds`; `rows` of them were this class's and emitted
-        `tokens`; `drafted`: it counts as drafting; `plain`: the gate's measured seconds of this batch's plain
-        step (the price of a plain step until the plain arm has its own)."""
+        `tokens`; `drafted`: they drafted; `plain`: the gate's measured seconds of this batch's plain step (the
+        price of a plain step until the plain arm has its own)."""
+        # The step after a drafting one counts as drafting too: with async scheduling a drafting step runs
+        # synchronously, and the next one refills the pipeline (its host work is not hidden).
+        drafted, self._drafted[request_class] = drafted or self._drafted.get(request_class, False), drafted
         share = seconds * rows / num_seqs
         off = self._arms.get((request_class, S, False))
         if off is not None and off[2] >= self.MIN_STEPS:
@@ -472,7 +479,7 @@ class DraftRegret:
         key = (request_class, S)
         credit = self.credit(request_class, S) + self.budget * share / plain
         if drafted:
-            credit -= (share - tokens * per_token) / plain
+            credit -= (share - (1 - self.MARGIN) * tokens * per_token) / plain
         self._credit[key] = min(self.cap, credit)
         arm = self._arms.setdefault((request_class, S, drafted), [0.0, 0.0, 0.0])
         arm[0] = self.DECAY * arm[0] + tokens

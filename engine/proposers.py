@@ -105,7 +105,6 @@ class Proposer:
         self._drafts: dict[str, int] = {}  # request id -> this step's draft length (from begin_step)
         self._held: dict[str, int] = {}  # request class -> steps in a row the gate gave it no drafts
         self.regret = DraftRegret()  # what drafting really cost per class; the gate drafts within its credit
-        self._drafted_before: dict[str, bool] = {}  # request class -> whether its latest decode step drafted
 
     def validate(self, sampling) -> None:
         """Raises InvalidRequestError if a request (`SamplingParams`) asks for more draft tokens or tree nodes
@@ -231,11 +230,7 @@ class Proposer:
             c = classes.setdefault(s.request.request_class, [0, 0, False])
             c[0], c[1], c[2] = c[0] + 1, c[1] + n, c[2] or bool(s.num_draft)
         for name, (rows, tokens, drafted) in classes.items():
-            # The step after a drafting one is part of its cost: with async scheduling, a drafting step runs
-            # synchronously and the next one refills the pipeline (its host work is not hidden).
-            after = self._drafted_before.get(name, False)
-            self._drafted_before[name] = drafted
-            self.regret.observe(name, shape[1], drafted or after, rows, B, tokens, seconds, plain)
+            self.regret.observe(name, shape[1], drafted, rows, B, tokens, seconds, plain)
 
     def release(self, request: Request) -> None:
         """The gate has held `request`'s class at no drafts for `HOLD_STEPS` steps in a row: stop keeping
