@@ -344,6 +344,7 @@ class StepCosts:
 
     DECAY = 0.8  # weight of the past per observation of a shape
     SLOPE_DECAY = 0.99  # weight of the past in the slope's sums: about the last 100 steps count
+    MIN_SHARE = 0.1  # a step at fewer pairs costs at least this share of its shape's measured mean
 
     def __init__(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]):
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
@@ -370,11 +371,15 @@ class StepCosts:
         return max(0.0, self._sxy / self._sxx) if self._sxx > 0 else 0.0
 
     def get(self, T: int, S: int, K: int | None, work: float | None = None) -> float | None:
-        """Seconds of a step of this shape (at `work` pairs; None: at its mean work), None if never measured."""
+        """Seconds of a step of this shape (at `work` pairs; None: at its mean work), at least `MIN_SHARE` of its
+        measured mean; None if never measured (or measured at 0 s)."""
         old = self._means.get((T, S, K))
         if old is None:
             return None
-        return old[0] if work is None else max(0.0, old[0] + self.seconds_per_pair * (work - old[1]))
+        seconds = old[0] if work is None else old[0] + self.seconds_per_pair * (work - old[1])
+        # The fitted slope extrapolated to much shorter contexts can reach zero: the weights' pass is still paid.
+        seconds = max(seconds, self.MIN_SHARE * old[0])
+        return seconds if seconds > 0 else None
 
     def prior(self, T: int) -> float | None:
         """A guess for a step over token bucket T from the cheapest measured step of each bucket (such as

@@ -500,3 +500,20 @@ def test_the_plain_steps_measured_alongside_price_the_regret():
     assert loss / time <= DraftRegret.BUDGET * 1.1
     rates = p.regret.tokens_per_second()
     assert rates[("default", False)] == pytest.approx(4 / 0.020)
+
+
+def test_a_steep_attention_slope_never_prices_a_step_at_zero():
+    """Long contexts measured, then a batch of short ones: the fitted per-pair cost extrapolated to the short
+    contexts went below zero, the plain step was priced at 0 s and the gate divided by it (a crash of the
+    engine thread in the speculative benchmark). The price now keeps a tenth of the measured step."""
+    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    for long, seconds in [(4000, 0.010), (40000, 0.200)] * 10:
+        p.costs.observe(4, 4, None, seconds, 4 * attention_pairs(long, 1))
+    rows = _decodes(4)
+    for r in rows:
+        r.num_computed_tokens = 3
+    work = 4 * attention_pairs(3, 1)
+    mean = p.costs.get(4, 4, None)
+    assert mean + p.costs.seconds_per_pair * (work - p.costs._means[(4, 4, None)][1]) < 0  # the raw fit
+    assert p.costs.get(4, 4, None, work) == pytest.approx(StepCosts.MIN_SHARE * mean)
+    p.begin_step(rows, 0)  # no ZeroDivisionError
