@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 
 import jax
 from jax import monitoring
@@ -27,6 +28,8 @@ MAP_MARGIN = 0.1  # the share of the limit kept free
 _LOWERING_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _lock = threading.Lock()
 _count = 0
+_executable_dir: str | None = None  # where `engine.programs` keeps executables (set by `use_persistent_cache`)
+_holders: "weakref.WeakSet" = weakref.WeakSet()  # holders of compiled programs outside JAX's caches
 
 
 def _on_event(event: str, duration: float, **_) -> None:
@@ -43,7 +46,9 @@ def use_persistent_cache(path: str | None = None) -> str:
     """Keeps every compiled program in JAX's persistent compilation cache at `path` (default
     `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jax-spec-engine/xla`), so a restarted process loads its programs
     instead of compiling them; returns the folder. Call before the first compilation. The key covers the program, jax/jaxlib and the
-    backend, so a changed model or engine compiles afresh. Loading is counted by `compilation_count` too.
+    backend, so a changed model or engine compiles afresh. The engine's step programs are kept whole in
+    `<path>/executables` too (`engine.programs`: a restart neither traces nor lowers them). Loading is
+    counted by `compilation_count` too.
     """
     from checkpoints.resolve import cache_dir
 
@@ -52,7 +57,26 @@ def use_persistent_cache(path: str | None = None) -> str:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    global _executable_dir
+    _executable_dir = os.path.join(path, "executables")
     return path
+
+
+def executable_dir() -> str | None:
+    """Where the engine's step programs are kept as serialized executables (`engine.programs`), or None."""
+    return _executable_dir
+
+
+def count_loaded() -> None:
+    """A program was loaded from `executable_dir` (counted like a compilation: it is a first use)."""
+    global _count
+    with _lock:
+        _count += 1
+
+
+def hold(holder) -> None:
+    """`holder.release()` drops compiled programs that `release_if_near_limit` must free too (held weakly)."""
+    _holders.add(holder)
 
 
 def compilation_count() -> int:
@@ -88,5 +112,12 @@ def release_if_near_limit(programs: int) -> bool:
     used, limit = memory_maps()
     log.warning("%d of %d memory maps in use (vm.max_map_count): dropping the compiled programs, which compile "
                 "again on demand; raise vm.max_map_count to keep them (BUILD.md)", used, limit)
-    jax.clear_caches()
+    release_all()
     return True
+
+
+def release_all() -> None:
+    """Drops every compiled program: JAX's caches and the engines' (`hold`)."""
+    jax.clear_caches()
+    for holder in list(_holders):
+        holder.release()

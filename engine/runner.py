@@ -34,6 +34,7 @@ from engine.compilation import MAPS_PER_PROGRAM, maps_left, memory_maps
 from engine.config import EngineConfig
 from engine.distributed import check_same_batch
 from engine.proposers import Proposer
+from engine.programs import Programs
 from engine.scoring import make_score_step
 from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_step
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
@@ -239,6 +240,11 @@ class ModelRunner:
         # took ~4 ms of host time a step.
         self._spec_steps: dict[int, Callable] = {}
         self._score_step = make_score_step(self.graphdef, self._attention)
+        # Programs by (K or "score", the batch layouts), called compiled: no tracing on a shape's first use.
+        self.programs = Programs((cfg, config, getattr(self._attention, "__qualname__", self._attention),
+                                  repr(self.graphdef),
+                                  None if proposer is None else (proposer.kind, proposer.config, proposer.on_device,
+                                                                 repr(getattr(proposer, "graphdef", None)))))
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -277,7 +283,8 @@ class ModelRunner:
         proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
         replaced.
         """
-        step, args = self._program(batch, spec, spec_k, feed_index)
+        key, fn, args = self._program(batch, spec, spec_k, feed_index)
+        step = self.programs.get(key, fn, args)
         if spec_k is None:
             sampled, pool, self._fed = step(*args)
             self.pools = (pool, *self.pools[1:])
@@ -291,10 +298,12 @@ class ModelRunner:
         return sampled, num_emitted, path_rank
 
     def _program(self, batch: StepBatch, spec: SpecBatch | None, spec_k: int | None,
-                 feed_index: np.ndarray) -> tuple[Callable, tuple]:
-        """The jitted step program for `spec_k` and its arguments (see `execute`)."""
+                 feed_index: np.ndarray) -> tuple[tuple, Callable, tuple]:
+        """The step program for `spec_k`: its key in `programs`, the jitted function and its arguments (see
+        `execute`)."""
+        key = (spec_k, batch.layout, None if spec is None else spec.layout)
         if spec_k is None:
-            return self._step, (self.state, self.pools[0], batch, (self._fed, feed_index))
+            return key, self._step, (self.state, self.pools[0], batch, (self._fed, feed_index))
         step = self._spec_steps.get(spec_k)
         if step is None:
             if self.proposer.on_device:
@@ -304,8 +313,8 @@ class ModelRunner:
                 step = make(self.graphdef, self._attention, spec_k)
             self._spec_steps[spec_k] = step
         if not self.proposer.on_device:
-            return step, (self.state, self.pools[0], batch, spec)
-        return step, (self.state, self.proposer.state, *self.pools, batch, spec)
+            return key, step, (self.state, self.pools[0], batch, spec)
+        return key, step, (self.state, self.proposer.state, *self.pools, batch, spec)
 
     def run(self, packed: PackedBatch, spec_k: int | None, timing: StepTiming | None = None) -> StepOutput:
         """Copies `packed` to the device, runs the step program and makes the step's one read back.
@@ -398,7 +407,10 @@ class ModelRunner:
                       (self._score_seqs,), {s.request.request_id: 0 for s in seqs})
         padded = np.zeros(packed.token_ids.shape[0], np.int32)
         padded[:len(targets)] = targets
-        logprobs, greedy, pool = self._score_step(self.state, self.pools[0], to_device(StepBatch, packed), padded)
+        batch = to_device(StepBatch, packed)
+        args = (self.state, self.pools[0], batch, padded)
+        score = self.programs.get(("score", batch.layout), self._score_step, args)
+        logprobs, greedy, pool = score(*args)
         self.pools = (pool, *self.pools[1:])
         logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
         out, t = [], 0
@@ -441,19 +453,19 @@ class ModelRunner:
                 if progress is not None:
                     progress(done, total)
 
-        # Compiled ahead of time (never run: a 512-token step takes ~0.6 s) on a thread per CPU: XLA compiles
-        # without the GIL (~1.3x faster on 2 CPUs), and the lowering and executable JAX caches serve the
-        # first real call.
+        # Compiled ahead of time (never run: a 512-token step takes ~0.6 s) on a thread per CPU (XLA compiles
+        # without the GIL: ~1.3x faster on 2 CPUs), or loaded (`engine.programs`).
         def compile_ahead(job) -> None:
             T, S, K = job
             packed = self.padding_batch(T, S if K != "score" else self._score_seqs, None if K == "score" else K)
             batch = to_device(StepBatch, packed)
             if K == "score":
-                fn, args = self._score_step, (self.state, self.pools[0], batch, np.zeros(T, np.int32))
+                key, fn, args = ("score", batch.layout), self._score_step, (self.state, self.pools[0], batch,
+                                                                            np.zeros(T, np.int32))
             else:
-                fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if K is not None else None, K,
-                                         packed.feed_index)
-            fn.lower(*args).compile()
+                key, fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if K is not None else None, K,
+                                              packed.feed_index)
+            self.programs.get(key, fn, args)
             tick()
 
         jobs = [(T, S, K) for T, S in shapes for K in self.spec_ks] + [(T, None, "score") for T in score]

@@ -61,8 +61,9 @@ def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start
 @jax.tree_util.register_pytree_node_class
 class Weights:
     """A model's `nnx.State`, flattened once: every jitted call otherwise re-flattens its ~400 `nnx.Variable`s
-    in Python (about 1 ms of host time per step at this model's size). Inside a jitted function it
-    unflattens back to the `nnx.State`, so `nnx.merge(graphdef, weights)` works there as with the state."""
+    in Python (about 1 ms of host time per step at this model's size). A program made with `step_program`
+    gets the `nnx.State` back (`state`); the pytree stays a `Weights`, so a compiled program's input
+    structure is the one it is called with."""
 
     def __init__(self, leaves, treedef):
         self.leaves, self.treedef = leaves, treedef
@@ -76,7 +77,10 @@ class Weights:
 
     @classmethod
     def tree_unflatten(cls, treedef, leaves):
-        return jax.tree.unflatten(treedef, leaves)
+        return cls(list(leaves), treedef)
+
+    def state(self) -> nnx.State:
+        return jax.tree.unflatten(self.treedef, self.leaves)
 
 
 def kernel_layout(config, dtype: str) -> tuple[str, int, int | None, str] | None:
@@ -211,11 +215,13 @@ class Packed:
 
 
 def step_program(donate_argnums: tuple[int, ...] = ()):
-    """`jax.jit` for a step program whose batch arguments may come as `Packed` (unpacked inside)."""
+    """`jax.jit` for a step program whose batch arguments may come as `Packed` and weights as `Weights` (both
+    unpacked inside)."""
     def wrap(fn):
         @functools.wraps(fn)
         def unpacked(*args):
-            return fn(*(a.unpack() if isinstance(a, Packed) else a for a in args))
+            return fn(*(a.unpack() if isinstance(a, Packed) else a.state() if isinstance(a, Weights) else a
+                        for a in args))
         return jax.jit(unpacked, donate_argnums=donate_argnums)
     return wrap
 

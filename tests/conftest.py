@@ -36,6 +36,7 @@ else:
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 import pytest
 
+from engine.compilation import release_all
 from engine.speculative import make_spec_step
 from engine.step import make_step
 
@@ -45,6 +46,6 @@ def _release_compiled_programs():
     yield
     make_step.cache_clear()
     make_spec_step.cache_clear()
-    jax.clear_caches()
+    release_all()
     gc.collect()
 

@@ -326,7 +326,7 @@ def test_bf16_kernel_weights_run_every_product_on_amx(monkeypatch):
     monkeypatch.setattr(ck, "amx_matmul", lambda x, p: traced.append(x.shape[0]) or real(x, p))
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     amx_llm = LLM("tiny-llama", kernel_dtype="bfloat16", **LIMITS)
-    state = jax.tree.unflatten(amx_llm.engine.runner.state.treedef, amx_llm.engine.runner.state.leaves)
+    state = amx_llm.engine.runner.state.state()
     names = {str(k) for path, _ in nnx.to_flat_state(state) for k in path}
     assert "wqkv_amx_hi" in names and "head_amx_hi" in names and not any(n.endswith("_panels") for n in names)
     got = amx_llm.generate(PROMPTS[:2], sp)

@@ -22,7 +22,7 @@ def _dense_greedy(llm, prompt_ids, n, width=128):
     ids = list(prompt_ids)
     for _ in range(n):
         padded = jnp.asarray(ids + [0] * (width - len(ids)), jnp.int32)
-        ids.append(int(jnp.argmax(logits_at(llm.engine.runner.state, padded, len(ids) - 1))))
+        ids.append(int(jnp.argmax(logits_at(llm.engine.runner.state.state(), padded, len(ids) - 1))))
     return ids[len(prompt_ids):]
 
 

@@ -19,7 +19,7 @@ def _dense_log_softmax(llm, ids: list[int]) -> np.ndarray:
     """float64 `[n, V]` log-softmax of the unpaged forward's logits at every position of `ids`."""
     graphdef = llm.engine.runner.graphdef
     logits = jax.jit(lambda st, x: nnx.merge(graphdef, st).dense_logits(x[None])[0])(
-        llm.engine.runner.state, jnp.asarray(ids, jnp.int32))
+        llm.engine.runner.state.state(), jnp.asarray(ids, jnp.int32))
     x = np.asarray(logits, np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
