@@ -50,10 +50,21 @@ CONTROL = 3  # gguf.TokenType.CONTROL
 USER_DEFINED = 4  # gguf.TokenType.USER_DEFINED
 
 
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: each slice of an `np.memmap` runs numpy's
+    Python-level `memmap.__array_finalize__`, and the header's ~100k vocabulary strings took 2.4 s of
+    slices (0.9 s this way; same fields and tensors, still mapped, not read)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        if type(self.data) is np.memmap:
+            self.data = self.data.view(np.ndarray)
+        return super()._get(offset, dtype, count, override_order)
+
+
 def open_reader(reader_or_path: gguf.GGUFReader | str | os.PathLike) -> gguf.GGUFReader:
     if isinstance(reader_or_path, gguf.GGUFReader):
         return reader_or_path
-    return gguf.GGUFReader(os.fspath(reader_or_path))
+    return _Reader(os.fspath(reader_or_path))
 
 
 def field(reader: gguf.GGUFReader, key: str, default=None):

@@ -249,7 +249,7 @@ class Llama(nnx.Module):
                 value = params[name]
                 if tuple(value.shape) != shape:
                     raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != expected {shape}")
-                weights[name] = np.asarray(value).astype(dtype)
+                weights[name] = np.asarray(value, dtype)  # no copy when the loader gave this dtype
             elif name.endswith("norm"):
                 weights[name] = np.ones(shape, dtype)
             else:
