@@ -26,6 +26,10 @@ whether this CPU and OS allow AMX.
 target's log-probability and each row's argmax, in one threaded pass over the
 rows (`log_softmax.cc`; AVX-512 only, `log_softmax_gather_reference` else).
 
+`filter_logits(...)` and `draw(scores, uniforms)`: the sampler's per-row
+passes (`engine.sampler` defines them; `sampling.cc`), one thread per row, on
+any CPU the library loads on.
+
 `paged_attention(...)`: ragged paged attention with the contract of
 `pallas_kernels.reference.ragged_paged_attention_reference` (its reference),
 for steps of few tokens (decode, verify windows); `paged_attention.cc` gives
@@ -67,6 +71,8 @@ _AMX_TARGET = "jse_amx_matmul"
 _AMX_LAYERS_TARGET = "jse_amx_matmul_layers"
 _LOG_SOFTMAX_TARGET = "jse_log_softmax_gather"
 _AMX_HEAD_TARGET = "jse_amx_head_log_softmax"
+_FILTER_TARGET = "jse_filter_logits"
+_DRAW_TARGET = "jse_draw"
 AMX_TILE_K = 32  # bf16 elements of k per AMX tile row
 AMX_BLOCK = 32  # output columns (and rows) per 2 x 2 block of AMX C tiles
 _DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "int8": np.int8}
@@ -297,6 +303,25 @@ def log_softmax_gather(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array
     return tuple(call(logits.astype(jnp.float32), targets.astype(jnp.int32)))
 
 
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array) -> jax.Array:
+    """float32 `[N, V]`: `engine.sampler.filter_logits`'s contract (its arguments and kept set; the
+    thresholds' sums in float64) in the native kernel. Requires `available()`."""
+    _require()
+    call = jax.ffi.ffi_call(_FILTER_TARGET, jax.ShapeDtypeStruct(logits.shape, jnp.float32))
+    f32 = lambda a: a.astype(jnp.float32)
+    return call(f32(logits), f32(temperature), top_k.astype(jnp.int32), f32(top_p), f32(min_p))
+
+
+def draw(scores: jax.Array, uniforms: jax.Array) -> jax.Array:
+    """int32 `[N]`: per row of float32 `scores` `[N, V]` (log-weights, -inf excluded, at least one finite), the
+    first token whose running weight `e^(s - max)` passes `uniforms` `[N]` (in [0, 1)) times the row's total,
+    else the last token with weight: a draw from `softmax(scores)`. Requires `available()`."""
+    _require()
+    call = jax.ffi.ffi_call(_DRAW_TARGET, jax.ShapeDtypeStruct(scores.shape[:1], jnp.int32))
+    return call(scores.astype(jnp.float32), uniforms.astype(jnp.float32))
+
+
 def paged_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether `paged_attention` takes these head shapes (at most 16 query heads per KV head, D % 8 == 0, D <= 256)."""
     return num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 16 and head_dim % 8 == 0 and head_dim <= 256
@@ -344,6 +369,8 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(_AMX_LAYERS_TARGET, jax.ffi.pycapsule(lib.JseAmxMatmulLayers), platform="cpu")
     jax.ffi.register_ffi_target(_AMX_HEAD_TARGET, jax.ffi.pycapsule(lib.JseAmxHeadLogSoftmax), platform="cpu")
     jax.ffi.register_ffi_target(_LOG_SOFTMAX_TARGET, jax.ffi.pycapsule(lib.JseLogSoftmaxGather), platform="cpu")
+    jax.ffi.register_ffi_target(_FILTER_TARGET, jax.ffi.pycapsule(lib.JseFilterLogits), platform="cpu")
+    jax.ffi.register_ffi_target(_DRAW_TARGET, jax.ffi.pycapsule(lib.JseDraw), platform="cpu")
     return lib
 
 

@@ -13,6 +13,12 @@ from the `CANDIDATES` largest logits (`lax.top_k`) whenever they lie among
 them (the usual case), and otherwise from an exact bisection over the
 float32 order; the inverse CDF reads a cumulative sum by blocks. Both give
 the same kept set as sorting the row.
+
+On XLA:CPU both passes (`filter_logits`, the inverse CDF in `draw`) run in
+the native kernel (`cpu_kernels.filter_logits` / `draw`, the same contract,
+one thread per row): as XLA they were ~60 kernels of every step program, half
+of what each compiled. `xla_filter_logits` and `xla_draw` are what other
+backends run.
 """
 
 from __future__ import annotations
@@ -64,6 +70,10 @@ def _bisect_threshold(scaled: jax.Array, row_max: jax.Array, total: jax.Array, k
     return jnp.min(jnp.where(keys >= hi[:, None], scaled, jnp.inf), axis=-1)
 
 
+def _native() -> bool:
+    return jax.default_backend() == "cpu" and cpu_kernels.available()
+
+
 @jax.jit  # called eagerly too: its conds would otherwise compile anew on every call
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   min_p: jax.Array) -> jax.Array:
@@ -83,6 +93,15 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     Returns:
       float32 `[S, V]`; softmax of it is the distribution a token is drawn from.
     """
+    if _native():
+        return cpu_kernels.filter_logits(logits, temperature, top_k, top_p, min_p)
+    return xla_filter_logits(logits, temperature, top_k, top_p, min_p)
+
+
+@jax.jit
+def xla_filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      min_p: jax.Array) -> jax.Array:
+    """`filter_logits` in XLA (any backend)."""
     S, V = logits.shape
     scaled = logits / temperature[:, None]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -128,11 +147,16 @@ def draw(scores: jax.Array, keys: jax.Array) -> jax.Array:
     Returns:
       int32 `[S]` token ids.
     """
+    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
+    return cpu_kernels.draw(scores, u) if _native() else xla_draw(scores, u)
+
+
+def xla_draw(scores: jax.Array, u: jax.Array) -> jax.Array:
+    """`draw`'s inverse CDF in XLA (any backend), for float32 uniforms `u` `[S]` in [0, 1)."""
     S, V = scores.shape
     nb = -(-V // _BLOCK)
     w = numerics.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     w = jnp.pad(w, ((0, 0), (0, nb * _BLOCK - V))).reshape(S, nb, _BLOCK)
-    u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)
 
     def first_past(cum, r, weights):  # first index whose running sum exceeds r, else the last with weight
         n = cum.shape[-1]

@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampler import argmax, filter_logits, sample
+import cpu_kernels
+from engine.sampler import argmax, draw, filter_logits, sample, xla_draw, xla_filter_logits
+
+# `filter_logits` runs the native kernel on CPU; `xla_filter_logits` is what other backends run: both are held
+# to the same sorted definition.
+FILTERS = pytest.mark.parametrize("filter_fn", [filter_logits, xla_filter_logits], ids=["default", "xla"])
 
 
 def _arrays(S, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -17,20 +22,32 @@ PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = np.log(PROBS).astype(np.float32)
 
 
-def _kept(**kw):
+def _kept(filter_fn, **kw):
     t, k, p, m = _arrays(1, **kw)
-    out = np.asarray(filter_logits(jnp.asarray(LOGITS[None]), t, k, p, m))[0]
+    out = np.asarray(filter_fn(jnp.asarray(LOGITS[None]), t, k, p, m))[0]
     return set(np.flatnonzero(np.isfinite(out)).tolist())
 
 
-def test_filters_keep_the_expected_tokens():
-    assert _kept() == {0, 1, 2, 3, 4, 5}
-    assert _kept(top_k=2) == {0, 1}
-    assert _kept(top_p=0.35) == {0}  # the first token alone reaches it
-    assert _kept(top_p=0.5) == {0, 1}
-    assert _kept(top_p=0.81) == {0, 1, 2, 3}  # mass before token 3 is 0.8 < 0.81
-    assert _kept(min_p=0.3) == {0, 1, 2}  # >= 0.12
-    assert _kept(top_k=3, top_p=0.5) == {0, 1}
+@FILTERS
+def test_filters_keep_the_expected_tokens(filter_fn):
+    kept = lambda **kw: _kept(filter_fn, **kw)
+    assert kept() == {0, 1, 2, 3, 4, 5}
+    assert kept(top_k=2) == {0, 1}
+    assert kept(top_p=0.35) == {0}  # the first token alone reaches it
+    assert kept(top_p=0.5) == {0, 1}
+    assert kept(top_p=0.81) == {0, 1, 2, 3}  # mass before token 3 is 0.8 < 0.81
+    assert kept(min_p=0.3) == {0, 1, 2}  # >= 0.12
+    assert kept(top_k=3, top_p=0.5) == {0, 1}
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native kernels here")
+def test_the_cpu_sampler_runs_the_native_kernels():
+    """The step programs' sampling is the native kernels' on CPU (a silent fallback to XLA would compile ~60
+    more kernels into every step program)."""
+    t, k, p, m = _arrays(2, top_p=0.5)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(2))
+    hlo = jax.jit(lambda x: draw(filter_logits(x, t, k, p, m), keys)).lower(jnp.zeros((2, 8))).as_text()
+    assert "jse_filter_logits" in hlo and "jse_draw" in hlo
 
 
 def test_greedy_rows_take_argmax_and_mix_with_sampled_rows():
@@ -99,8 +116,9 @@ def _sorted_filter(logits, temperature, top_k, top_p, min_p):
     return np.array(kept)
 
 
+@FILTERS
 @pytest.mark.parametrize("V,scale", [(200, 3.0), (5000, 0.5), (5000, 4.0)])
-def test_filter_equals_sorting_the_row(V, scale):
+def test_filter_equals_sorting_the_row(V, scale, filter_fn):
     """Both threshold paths: nuclei inside the top CANDIDATES (scale 4) and wider ones that
     need the bisection (scale 0.5 over 5000 tokens); rounded logits make ties."""
     rng = np.random.default_rng(V)
@@ -113,29 +131,30 @@ def test_filter_equals_sorting_the_row(V, scale):
         k = rng.choice([0, 1, 7, 300, 1000], S).astype(np.int32)
         p = rng.choice([1.0, 0.9, 0.5, 0.999], S).astype(np.float32)
         m = rng.choice([0.0, 0.1, 0.01], S).astype(np.float32)
-        got = np.isfinite(np.asarray(filter_logits(jnp.asarray(x), t, k, p, m)))
+        got = np.isfinite(np.asarray(filter_fn(jnp.asarray(x), t, k, p, m)))
         # Float sums may place a token whose mass before it is within 1e-5 of top_p either side.
         tol = np.where(p < 1, 1e-5, 0).astype(np.float32)
         assert (got >= _sorted_filter(x, t, k, p - tol, m)).all()
         assert (got <= _sorted_filter(x, t, k, p + tol, m)).all()
 
 
-def test_draw_follows_softmax_across_blocks_and_skips_excluded_tokens():
+@pytest.mark.parametrize("native", [True, False], ids=["default", "xla"])
+def test_draw_follows_softmax_across_blocks_and_skips_excluded_tokens(native):
     """Chi-square over N=20000 draws from 300 tokens (3 blocks of the inverse CDF), 100 of them
     excluded: 40 kept tokens with most of the mass, and the rest pooled into one category so every
     expected count is >= 5. alpha = 1e-3; power > 0.99 against a shift of 0.02 in one probability."""
     from scipy.stats import chisquare
-
-    from engine.sampler import draw
-
-    import jax
 
     N, V = 20000, 300
     rng = np.random.default_rng(3)
     scores = rng.standard_normal(V).astype(np.float32) * 2
     scores[rng.choice(V, 100, replace=False)] = -np.inf
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(11), i))(jnp.arange(N))
-    tokens = np.asarray(draw(jnp.broadcast_to(jnp.asarray(scores), (N, V)), keys))
+    rows = jnp.broadcast_to(jnp.asarray(scores), (N, V))
+    if native:
+        tokens = np.asarray(draw(rows, keys))
+    else:
+        tokens = np.asarray(xla_draw(rows, jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys)))
     assert np.isfinite(scores[tokens]).all()
     want = np.exp(scores.astype(np.float64) - scores[np.isfinite(scores)].max())
     want /= want.sum()
