@@ -137,7 +137,7 @@ def _decode(llm, prompts, request_class="default", timed=False):
                         runner.token_buckets)
     if FLAGS.precompile:
         # Fewer rows too: the batch's last requests finish on their own.
-        engine.precompile([(t, s) for t in runner.token_buckets for s in runner.seq_buckets if s <= S and s <= t <= widest])
+        engine.precompile([(t, s) for t, s in runner.buckets if s <= S and t <= widest])
     # Prefill every prompt once beforehand, so that in the run the prefix cache serves them in a step or
     # two and all B requests decode together (long prompts would otherwise still be prefilling while
     # the first ones finish).

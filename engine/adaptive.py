@@ -19,7 +19,7 @@ import numbers
 
 import numpy as np
 
-from scheduler.packing import bucket_for
+from scheduler.packing import step_shape
 
 @dataclasses.dataclass
 class SpeculationConfig:
@@ -418,7 +418,7 @@ class StepCosts:
         """The (T, S) buckets a step of this many sequences and tokens pads to; None if beyond the largest."""
         if num_tokens > self.token_buckets[-1] or num_seqs > self.seq_buckets[-1]:
             return None
-        return bucket_for(num_tokens, self.token_buckets), bucket_for(num_seqs, self.seq_buckets)
+        return step_shape(num_tokens, num_seqs, self.token_buckets, self.seq_buckets)
 
 
 class DraftRegret:

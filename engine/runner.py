@@ -40,7 +40,7 @@ from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_ste
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
                          make_step, replicate, scatter_blocks, tensor_parallel_mesh, to_device)
 from pallas_kernels.reference import ragged_paged_attention_reference
-from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets
+from scheduler.packing import PackedBatch, bucket_for, pack, power_of_two_buckets, step_buckets
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq, StepPlan
 
@@ -249,7 +249,7 @@ class ModelRunner:
     @property
     def buckets(self) -> list[tuple[int, int]]:
         """Every (token bucket, sequence bucket) shape the step can be compiled for."""
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+        return step_buckets(self.token_buckets, self.seq_buckets)
 
     @property
     def spec_ks(self) -> list[int | None]:

@@ -28,6 +28,32 @@ def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     return buckets[i]
 
 
+# From this token bucket up a step is mostly prefill, and its sequence count pads to a power of 4 (1, 4, 16,
+# 64): a few more rows of logits on a long step, and a third fewer step programs there to compile (BUILD.md).
+COARSE_SEQS_FROM = 128
+
+
+def seq_buckets_for(T: int, seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The sequence buckets a step of token bucket `T` pads to: all of `seq_buckets` below
+    `COARSE_SEQS_FROM` tokens, from there its powers of 4 and its largest."""
+    if T < COARSE_SEQS_FROM:
+        return seq_buckets
+    return tuple(s for s in seq_buckets if (s & (s - 1) == 0 and s & 0x55555555) or s == seq_buckets[-1])
+
+
+def step_shape(num_tokens: int, num_seqs: int, token_buckets: tuple[int, ...],
+               seq_buckets: tuple[int, ...]) -> tuple[int, int]:
+    """The (token bucket T, sequence bucket S) a step of `num_tokens` tokens over `num_seqs` sequences pads to;
+    raises ValueError past the largest buckets."""
+    T = bucket_for(max(num_tokens, 1), token_buckets)
+    return T, bucket_for(max(num_seqs, 1), seq_buckets_for(T, seq_buckets))
+
+
+def step_buckets(token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Every (T, S) shape `step_shape` gives (S <= T: a sequence has at least one token)."""
+    return [(t, s) for t in token_buckets for s in seq_buckets_for(t, seq_buckets) if s <= t]
+
+
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
     """One step's inputs, padded to a (token bucket T, sequence bucket S) shape."""
@@ -90,8 +116,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     not one (a parent not before its child) or whose window passes the 32 tokens a tree mask covers.
     """
     n_seqs = len(plan.seqs)
-    T = bucket_for(max(plan.num_tokens, 1), token_buckets)
-    S = bucket_for(max(n_seqs, 1), seq_buckets)
+    T, S = step_shape(plan.num_tokens, n_seqs, token_buckets, seq_buckets)
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.zeros(T, np.int32)

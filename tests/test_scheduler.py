@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from scheduler.block_manager import BlockManager, NoFreeBlocksError
-from scheduler.packing import bucket_for, pack, power_of_two_buckets
+from scheduler.packing import bucket_for, pack, power_of_two_buckets, step_buckets, step_shape
 from scheduler.request import FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -187,6 +187,16 @@ def test_preemption_recomputes_newest_request():
     assert bm.num_free_blocks == 1
     sch.finish(old, FinishReason.STOP)
     assert bm.num_free_blocks == 3
+
+
+def test_long_steps_pad_their_sequences_to_powers_of_four():
+    tokens, seqs = power_of_two_buckets(512), power_of_two_buckets(64)
+    assert step_shape(100, 5, tokens, seqs) == (128, 16)
+    assert step_shape(64, 5, tokens, seqs) == (64, 8)
+    assert step_shape(300, 1, tokens, seqs) == (512, 1) and step_shape(129, 17, tokens, seqs) == (256, 64)
+    # 1+2+...+7 shapes up to 64 tokens, then S in {1, 4, 16, 64} for each of 128, 256 and 512.
+    assert len(step_buckets(tokens, seqs)) == 28 + 3 * 4
+    assert step_shape(200, 40, tokens, power_of_two_buckets(48)) == (256, 48)
 
 
 def test_packing_pads_to_buckets():
