@@ -19,6 +19,9 @@ class EngineConfig:
     swap_space_bytes: host memory for the KV of preempted sequences.
     swap_threshold_tokens: preempted sequences at least this long are swapped
       to host memory; shorter ones (or when swap space is full) are recomputed.
+    max_stop_strings, max_stop_chars: a request's stop strings, and the
+      characters of each (the stream holds back one fewer than the longest; each
+      step's text is searched for each of them).
     """
 
     block_size: int = 16
@@ -31,6 +34,8 @@ class EngineConfig:
     kv_watermark: float = 0.1
     swap_space_bytes: int = 1 << 30
     swap_threshold_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
     # "auto": the Pallas kernel on GPU; on CPU (where Pallas only runs in interpret mode, an emulator
     # several times slower) the native kernel for small steps when it loads, else the jnp reference.
     attention: str = "auto"  # or "pallas" / "native" / "reference"
@@ -69,5 +74,7 @@ class EngineConfig:
             raise ValueError(f"kv_watermark must be in [0, 1), got {self.kv_watermark}")
         if self.swap_space_bytes < 0 or self.swap_threshold_tokens < 0:
             raise ValueError("swap_space_bytes and swap_threshold_tokens must be >= 0")
+        if self.max_stop_strings < 0 or self.max_stop_chars < 1:
+            raise ValueError("max_stop_strings must be >= 0 and max_stop_chars >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (or None for the model's limit), got {self.max_model_len}")

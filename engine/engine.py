@@ -136,6 +136,14 @@ class Engine:
         sequence reaches `max_model_len`, even before `max_tokens`.
         """
         sampling.validate()
+        config = self.config
+        if len(sampling.stop) > config.max_stop_strings:
+            raise InvalidRequestError(f"{len(sampling.stop)} stop strings: at most max_stop_strings="
+                                      f"{config.max_stop_strings}")
+        longest = max(map(len, sampling.stop), default=0)
+        if longest > config.max_stop_chars:
+            raise InvalidRequestError(f"a stop string of {longest} characters: at most max_stop_chars="
+                                      f"{config.max_stop_chars}")
         if (sampling.num_speculative_tokens or sampling.num_tree_nodes) and self.proposer is None:
             raise InvalidRequestError("speculation is not available: the engine has no proposer")
         if self.proposer is not None:
@@ -163,8 +171,8 @@ class Engine:
         if not isinstance(request_class, str):
             raise InvalidRequestError(f"request_class must be a string, got {request_class!r}")
         self.validate(prompt_token_ids, sampling)
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be an integer in [-2**31, 2**31), got {priority!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a string, got {cache_salt!r}")
         kwargs = {"priority": priority, "cache_salt": cache_salt, "request_class": request_class}

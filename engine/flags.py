@@ -63,6 +63,9 @@ flags.DEFINE_bool("async_scheduling", True, "Schedule and dispatch the next step
                   "back, hiding the host's work behind the device's (steps without speculation).")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
+flags.DEFINE_integer("max_stop_strings", 16, "Most stop strings per request.")
+flags.DEFINE_integer("max_stop_chars", 256, "Most characters per stop string (a stream holds back one fewer than "
+                     "its longest).")
 
 
 def llm_from_flags():
@@ -96,4 +99,5 @@ def llm_from_flags():
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size,
-               async_scheduling=FLAGS.async_scheduling)
+               async_scheduling=FLAGS.async_scheduling, max_stop_strings=FLAGS.max_stop_strings,
+               max_stop_chars=FLAGS.max_stop_chars)

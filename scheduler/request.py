@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import math
 
 MAX_LOGPROBS = 20  # most top tokens a request may ask log-probabilities for (a static size on device)
+INT32_MAX = 2**31 - 1  # integers the device holds are int32: larger ones are refused, never wrapped
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 class InvalidRequestError(ValueError):
@@ -64,16 +66,18 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
-        if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        t = self.temperature
+        if not (_is_number(t) and (t == 0 or FLOAT32_TINY <= t <= FLOAT32_MAX)):
+            raise InvalidRequestError(f"temperature must be 0 or a normal float32 (in [{FLOAT32_TINY:.4g}, "
+                                      f"{FLOAT32_MAX:.4g}]), got {t!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise InvalidRequestError(f"top_k must be an integer in [0, 2**31) (0 disables), got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise InvalidRequestError(f"max_tokens must be an integer in [1, 2**31), got {self.max_tokens!r}")
         if not _is_int(self.n) or not 1 <= self.n <= 256:
             raise InvalidRequestError(f"n must be an integer in [1, 256], got {self.n!r}")
         k = self.num_speculative_tokens
@@ -85,9 +89,9 @@ class SamplingParams:
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
             raise InvalidRequestError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop[:5]!r}")
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be integers in [0, 2**31), got {self.stop_token_ids[:5]!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 

@@ -7,6 +7,7 @@ items. Tiny random-weight model, servers in this process (`tests.servers`).
 """
 
 import asyncio
+import struct
 import time
 import urllib.error
 import urllib.request
@@ -297,3 +298,69 @@ def test_tenant_file_format():
                        ("bad/name tok\n", "tenant name")]:
         with pytest.raises(ValueError, match=words):
             Tenants.parse(bad)
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1  # a negative int32 or int64 goes on the wire as its 64-bit two's complement
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes | int) -> bytes:
+    """One protobuf field: a varint, or a length-delimited payload."""
+    if isinstance(payload, int):
+        return _varint(number << 3) + _varint(payload)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_integers_past_int32_are_refused_not_wrapped(server):
+    """Issue 53: `token_ids` and `top_k` were int32 on the wire, so a varint of 2**40 + 5 arrived as 5 and
+    was generated from. The bytes are built by hand, as an old or hostile client sends them."""
+    prompt = _field(2, _field(1, b"".join(_varint(t) for t in (5, 6, 2**40 + 5))))  # TokenIds, packed
+    stream = lambda c, payload: list(c.channel.unary_stream(
+        "/jaxspec.v1.Generation/Generate", request_serializer=lambda b: b,
+        response_deserializer=lambda b: b)(payload, metadata=c.metadata, timeout=10))
+    ok = _field(2, _field(1, b"".join(_varint(t) for t in (5, 6, 7))))
+    cases = [
+        (prompt, "prompt token ids must be in [0, 256)"),
+        (_field(2, _field(1, b"".join(_varint(t) for t in (5, -1)))), "prompt token ids must be in [0, 256)"),
+        (ok + _field(4, _field(2, 2**33 + 1)), "top_k must be an integer in [0, 2**31)"),
+        (ok + _field(4, _field(6, 2**32 + 3)), "max_tokens must be an integer in [1, 2**31)"),
+        (ok + _field(4, _field(8, 2**40)), "stop_token_ids must be integers in [0, 2**31)"),
+        (ok + _field(5, 2**40), "priority must be an integer in [-2**31, 2**31)"),
+        # temperature (field 1, a double) = 1e308: finite as a double, inf as the float32 the device holds
+        (ok + _field(4, b"\x09" + struct.pack("<d", 1e308)), "temperature must be 0 or a normal float32"),
+    ]
+    with Client(server.target, auth_token="token-a") as c:
+        for payload, message in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                stream(c, payload)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+            assert message in e.value.details(), (message, e.value.details())
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(c, "Detokenize", _field(1, b"".join(_varint(t) for t in (5, 2**40 + 5))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[0, 256)" in e.value.details()
+        assert len(stream(c, ok + _field(4, _field(6, 3)))) >= 1  # the same bytes with valid values generate
+
+
+def test_stop_strings_have_limits_the_server_reports(server):
+    """Issue 53: 60,000 stop strings (480 KB) were accepted and scanned per stop string per step on the engine
+    thread, and a 900 KB stop string held back the whole stream. Both are refused at once, naming the limit;
+    ModelInfo reports the limits (and speculation's: this server does not speculate)."""
+    with Client(server.target, auth_token="token-a") as c:
+        info = c.model_info()
+        assert (info.max_stop_strings, info.max_stop_chars) == (16, 256)
+        assert (info.num_speculative_tokens, info.num_tree_nodes) == (0, 0)
+        for stop, message in (([f"s{i:06d}" for i in range(60_000)], "at most max_stop_strings=16"),
+                              (["x" * 900_000], "at most max_stop_chars=256")):
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate([5, 6, 7], max_tokens=2, stop=stop)
+            assert time.monotonic() - t0 < 1.0
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+        stops = [f"stop{i}" for i in range(16)]
+        assert c.generate([5, 6, 7], max_tokens=2, stop=stops, ignore_eos=True).finish_reason is not None

@@ -367,7 +367,7 @@ class GenerationServicer:
         except _BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         engine = self.worker.engine  # read-only fields fixed at construction
-        cfg = engine.model_config
+        cfg, proposer = engine.model_config, engine.proposer
         return pb.ModelInfoResponse(
             model_name=self.model_name, max_model_len=engine.max_model_len, vocab_size=cfg.vocab_size,
             eos_token_ids=engine.eos_token_ids, dtype=cfg.dtype,
@@ -375,7 +375,10 @@ class GenerationServicer:
             speculation_kinds=self._speculation_kinds(),
             max_logprobs=MAX_LOGPROBS, has_chat_template=bool(self.tokenizer.chat_template),
             block_size=engine.config.block_size, num_blocks=engine.blocks.num_blocks,
-            max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens)
+            max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            num_speculative_tokens=0 if proposer is None else proposer.config.num_speculative_tokens,
+            num_tree_nodes=0 if proposer is None else proposer.config.tree_nodes,
+            max_stop_strings=engine.config.max_stop_strings, max_stop_chars=engine.config.max_stop_chars)
 
 
 def _status(error: Exception) -> tuple[grpc.StatusCode, str]:

@@ -201,7 +201,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "config_json", "speculation_kinds", "max_logprobs", "has_chat_template", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "config_json", "speculation_kinds", "max_logprobs", "has_chat_template", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens", "num_tree_nodes", "max_stop_strings", "max_stop_chars")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,10 @@ class ModelInfoResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_CHARS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -228,4 +232,8 @@ class ModelInfoResponse(_message.Message):
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., config_json: _Optional[str] = ..., speculation_kinds: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    num_speculative_tokens: int
+    num_tree_nodes: int
+    max_stop_strings: int
+    max_stop_chars: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., config_json: _Optional[str] = ..., speculation_kinds: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., num_tree_nodes: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_stop_chars: _Optional[int] = ...) -> None: ...
