@@ -446,14 +446,20 @@ class Engine:
         finally:
             self.end_score(job)
 
-    def start_score(self, token_ids: list[int]) -> ScoreJob:
-        """Validates a sequence to score and takes KV blocks for it; raises as `score` does."""
+    def check_score_input(self, token_ids: list[int]) -> list[int]:
+        """A sequence to score as Python ints; raises InvalidRequestError as `score` does. Reads only fixed
+        fields: any thread may call it (the server checks a whole Score call before any of it runs)."""
         n = len(token_ids)
         if n == 0:
             raise InvalidRequestError("text to score is empty")
         if n > self.max_model_len:
             raise InvalidRequestError(f"text to score has {n} tokens; the context limit is {self.max_model_len}")
-        ids = check_token_ids(token_ids, self.model_config.vocab_size, "token ids")
+        return check_token_ids(token_ids, self.model_config.vocab_size, "token ids")
+
+    def start_score(self, token_ids: list[int]) -> ScoreJob:
+        """Validates a sequence to score and takes KV blocks for it; raises as `score` does."""
+        ids = self.check_score_input(token_ids)
+        n = len(ids)
         return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32), np.empty(n - 1, bool))
 
     def score_chunk(self, job: ScoreJob) -> bool:

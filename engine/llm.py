@@ -167,8 +167,8 @@ class LLM:
         Texts are tokenized as prompts are (the model's BOS only if its
         tokenizer adds one); the first token is not scored.
         Raises:
-          InvalidRequestError: naming the first bad text (empty, over `max_model_len` tokens);
-            the texts before it were scored but are not returned.
+          InvalidRequestError: naming the first bad text (empty, over `max_model_len` tokens, ids outside
+            the vocabulary); every text is checked before any is scored.
           scheduler.block_manager.NoFreeBlocksError: requests in flight hold too many KV blocks.
         """
         if isinstance(texts, (str, np.ndarray)) or (
@@ -177,13 +177,13 @@ class LLM:
         if not isinstance(texts, (list, tuple)):
             raise InvalidRequestError(f"texts must be a text, a list of token ids or a list of those, "
                                       f"got {type(texts).__name__}")
-        outputs = []
-        for i, text in enumerate(texts):
+        encoded = []
+        for i, text in enumerate(texts):  # every text is checked before any is scored
             try:
-                outputs.append(self.engine.score(self.encode(text)))
+                encoded.append(self.engine.check_score_input(self.encode(text)))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"text {i}: {e}") from None
-        return outputs
+        return [self.engine.score(ids) for ids in encoded]
 
 
 @contextlib.contextmanager

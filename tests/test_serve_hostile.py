@@ -364,3 +364,35 @@ def test_stop_strings_have_limits_the_server_reports(server):
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
         stops = [f"stop{i}" for i in range(16)]
         assert c.generate([5, 6, 7], max_tokens=2, stop=stops, ignore_eos=True).finish_reason is not None
+
+
+def test_a_score_call_is_checked_whole_before_any_input_is_scored(server, llm):
+    """Issue 53: a Score whose inputs[1] had an out-of-range id was refused only after inputs[0] was scored.
+    Now every input is checked first: nothing reaches the engine, over gRPC and offline."""
+    scored = []
+
+    def count_scores(engine):
+        engine.score_chunks = lambda jobs, real=engine.score_chunks: scored.append(len(jobs)) or real(jobs)
+
+    server.on_engine(count_scores)
+    try:
+        with Client(server.target, auth_token="token-a") as c:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                c.score([list(range(3, 200)), [5, 6, 999]])
+            assert time.monotonic() - t0 < 0.5
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "inputs[1]: token ids must be in [0, 256)" in e.value.details()
+            assert scored == []
+            assert len(c.score([[5, 6, 7]])) == 1 and scored == [1]
+    finally:
+        server.on_engine(lambda engine: engine.__dict__.pop("score_chunks"))
+    calls = []
+    real = llm.engine.score
+    llm.engine.score = lambda ids: calls.append(ids) or real(ids)
+    try:
+        with pytest.raises(InvalidRequestError, match="text 1: token ids must be in"):
+            llm.score([[5, 6, 7], [5, 999]])
+        assert calls == []
+    finally:
+        del llm.engine.score

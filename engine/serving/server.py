@@ -325,10 +325,11 @@ class GenerationServicer:
             for r in results])
 
     def _encode_score_inputs(self, request: pb.ScoreRequest) -> list[list[int]]:
+        """Every input encoded and checked (`Engine.check_score_input`) before any is scored."""
         encoded = []
         for i, item in enumerate(request.inputs):
             try:
-                encoded.append(_prompt(self.tokenizer, item, "input"))
+                encoded.append(self.worker.engine.check_score_input(_prompt(self.tokenizer, item, "input")))
             except (_BadRequest, InvalidRequestError) as e:
                 raise _BadRequest(f"inputs[{i}]: {e}") from None
         return encoded
@@ -353,7 +354,9 @@ class GenerationServicer:
         await self._refuse_while_warming(context)
         try:
             self._check(request)
-            check_token_ids(request.token_ids, self.worker.engine.model_config.vocab_size, "token ids")
+            # Off the event loop: a megabyte of ids takes a while to check.
+            await asyncio.to_thread(check_token_ids, request.token_ids, self.worker.engine.model_config.vocab_size,
+                                    "token ids")
         except (_BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         text = await asyncio.to_thread(self.tokenizer.decode, request.token_ids,
