@@ -284,6 +284,45 @@ def test_shutdown_ends_streams_with_finish_reason_abort():
     assert llm.engine.num_requests == 0
 
 
+def test_draining_is_visible_and_calls_in_flight_finish():
+    """Issue 53: on shutdown the port closed at once, so a health check got "connection refused", never
+    NOT_SERVING. Now, within the grace period: the port answers, health is NOT_SERVING, a new call gets
+    UNAVAILABLE saying why, and the stream in flight runs to its last token."""
+    llm = LLM("tiny-llama", **LIMITS)
+    s = ServerThread(llm)
+    seen = {}
+
+    async def scenario():
+        async with AsyncClient(s.target) as c:
+            call = _long_stream(c, max_tokens=60)
+            first = await call.read()
+            stopping = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(s.server.stop(grace=30), s.loop))
+            await asyncio.sleep(0.1)
+            with Client(s.target) as sync:
+                seen["health"] = await asyncio.to_thread(sync.health)
+                try:
+                    await asyncio.to_thread(sync.generate, [5, 6, 7], max_tokens=2)
+                except grpc.RpcError as e:
+                    seen["new call"] = (e.code(), e.details())
+            rest = await _read_rest(call)
+            await stopping
+            return [first, *rest]
+
+    original_step = llm.engine.step
+    llm.engine.step = lambda: (time.sleep(0.02), original_step())[1]  # 60 tokens outlast the checks above
+    try:
+        messages = asyncio.run(scenario())
+    finally:
+        del llm.engine.step
+        s.loop.call_soon_threadsafe(s.loop.stop)
+        s.thread.join(10)
+    assert seen["health"] == "NOT_SERVING"
+    code, details = seen["new call"]
+    assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in details
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in messages) == 60
+
+
 def test_llm_score_rejects_a_non_sequence(llm):
     with pytest.raises(InvalidRequestError, match="texts must be"):
         llm.score(5)

@@ -220,10 +220,14 @@ class GenerationServicer:
         self.tenants = tenants
         self.metrics = metrics or worker.metrics  # counts the Generate requests refused here too
         self.warmup = warmup
+        self.draining = False  # set by `GenerationServer.stop`: new calls are refused, calls in flight run on
 
-    async def _refuse_while_warming(self, context: grpc.aio.ServicerContext) -> None:
-        """UNAVAILABLE, with gRPC's retry pushback (`grpc-retry-pushback-ms`, honoured by clients with a retry
-        policy) and the progress in the message, until the engine is ready."""
+    async def _refuse_unless_serving(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE while the server drains, and until the engine is ready, then with gRPC's retry pushback
+        (`grpc-retry-pushback-ms`, honoured by clients with a retry policy) and the progress in the message."""
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is shutting down: calls in flight finish, new ones go elsewhere")
         if self.worker is not None:
             return
         done, total, left = self.warmup.progress() if self.warmup else (0, 0, None)
@@ -268,7 +272,7 @@ class GenerationServicer:
                 "num_tree_nodes": spec.num_tree_nodes or None}
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._refuse_while_warming(context)
+        await self._refuse_unless_serving(context)
         try:
             self._check(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -298,7 +302,7 @@ class GenerationServicer:
                 self.worker.abort(stream)
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        await self._refuse_while_warming(context)
+        await self._refuse_unless_serving(context)
         limits = self.limits
         try:
             self._check(request)
@@ -335,7 +339,7 @@ class GenerationServicer:
         return encoded
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._refuse_while_warming(context)
+        await self._refuse_unless_serving(context)
         try:
             self._check(request)
             kind = request.WhichOneof("input")
@@ -351,7 +355,7 @@ class GenerationServicer:
 
     async def Detokenize(self, request: pb.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
-        await self._refuse_while_warming(context)
+        await self._refuse_unless_serving(context)
         try:
             self._check(request)
             # Off the event loop: a megabyte of ids takes a while to check.
@@ -364,7 +368,7 @@ class GenerationServicer:
         return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        await self._refuse_while_warming(context)
+        await self._refuse_unless_serving(context)
         try:
             self._check(request)
         except _BadRequest as e:
@@ -486,18 +490,20 @@ class GenerationServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float) -> None:
-        """Graceful shutdown: health turns NOT_SERVING and new calls are refused; requests in flight
-        get `grace` seconds to finish; then the engine thread stops, so the rest end with a last
-        message with FINISH_REASON_ABORT (a Score in flight gets UNAVAILABLE)."""
+        """Drains, then shuts down. At once health turns NOT_SERVING and new calls get UNAVAILABLE, while the
+        port stays open (a load balancer sees draining, not a dead server); requests and Score calls in flight
+        get `grace` seconds to finish; then the engine thread stops, so the rest end with a last message with
+        FINISH_REASON_ABORT (a Score in flight gets UNAVAILABLE), and the port closes."""
         await self._health.enter_graceful_shutdown()
+        self._servicer.draining = True
         loop = asyncio.get_running_loop()
-        stopping = asyncio.ensure_future(self._server.stop(grace + _FINAL_MESSAGE_S))
         deadline = loop.time() + grace
-        while self.worker is not None and self.worker.num_streams and loop.time() < deadline:
+        while self.worker is not None and (self.worker.num_streams or self.worker.num_score_calls) and \
+                loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.worker is not None:
             await asyncio.to_thread(self.worker.stop)
-        await stopping
+        await self._server.stop(_FINAL_MESSAGE_S)
         log.info("server stopped")
 
     async def wait_for_termination(self) -> None:
