@@ -39,7 +39,11 @@ flags.DEFINE_string("tls_cert", None, "PEM certificate chain; serve TLS (needs -
 flags.DEFINE_string("tls_key", None, "PEM private key of --tls_cert.")
 flags.DEFINE_string("auth_token_file", None, "Token file: 'tenant token' lines (or one lone token, tenant "
                     "'default'); calls must then send metadata 'authorization: Bearer <token>' (health checks "
-                    "are exempt), /metrics the same header. Tenants never share prefix-cache entries.")
+                    "are exempt). Tenants never share prefix-cache entries. A tenant's token does not read /metrics "
+                    "(403): see --metrics_token_file.")
+flags.DEFINE_string("metrics_token_file", None, "File holding the operator's scrape token: /metrics then needs "
+                    "'Authorization: Bearer <token>' (401 else) and carries per-tenant usage. With --auth_token_file "
+                    "and without this, /metrics answers no one.")
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request message (text, chat, token ids), in bytes.")
 flags.DEFINE_integer("max_score_inputs", 64, "Most sequences in one Score call.")
 flags.DEFINE_integer("max_score_tokens", 1 << 16, "Most tokens over all sequences of one Score call.")
@@ -84,14 +88,14 @@ def _load(metrics):
     return llm, EngineWorker(llm.engine, metrics)
 
 
-async def _serve(server) -> int:
+async def _serve(server, scrape_token: str | None) -> int:
     """Listens at once, loads and warms the engine up (unless the server already has its worker), then serves
     until SIGTERM or SIGINT; returns the exit status."""
     port = await server.start()
     http = None
     if FLAGS.metrics_port >= 0:
         http = server.metrics.serve(FLAGS.metrics_port, FLAGS.host, certfile=FLAGS.tls_cert, keyfile=FLAGS.tls_key,
-                                    tenants=server.tenants)
+                                    tenants=server.tenants, scrape_token=scrape_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -157,6 +161,13 @@ def main(argv):
             tenants = Tenants.parse(_read(FLAGS.auth_token_file).decode())
         except (ValueError, UnicodeDecodeError) as e:
             raise app.UsageError(f"--auth_token_file {FLAGS.auth_token_file}: {e}")
+    scrape_token = None
+    if FLAGS.metrics_token_file:
+        scrape_token = _read(FLAGS.metrics_token_file).decode(errors="replace").strip()
+        if not scrape_token or any(c.isspace() for c in scrape_token):
+            raise app.UsageError(f"--metrics_token_file {FLAGS.metrics_token_file}: want one token, no spaces")
+        if tenants is not None and tenants.tenant_of([("authorization", f"Bearer {scrape_token}")]) is not None:
+            raise app.UsageError("--metrics_token_file: the scrape token must differ from every tenant's token")
     tls = TLSConfig(_read(FLAGS.tls_cert), _read(FLAGS.tls_key)) if FLAGS.tls_cert else None
     try:
         limits = ServingLimits(FLAGS.max_request_bytes, FLAGS.max_score_inputs, FLAGS.max_score_tokens)
@@ -178,10 +189,10 @@ def main(argv):
             return 0
         server = GenerationServer(worker, llm.tokenizer, model_name=FLAGS.model, host=FLAGS.host, port=FLAGS.port,
                                   tenants=tenants, tls=tls, limits=limits)
-        return asyncio.run(_serve(server))
+        return asyncio.run(_serve(server, scrape_token))
     server = GenerationServer(None, None, model_name=FLAGS.model, host=FLAGS.host, port=FLAGS.port, tenants=tenants,
                               tls=tls, limits=limits, metrics=Metrics())
-    return asyncio.run(_serve(server))
+    return asyncio.run(_serve(server, scrape_token))
 
 
 if __name__ == "__main__":

@@ -235,22 +235,43 @@ def test_model_info_checks_unknown_fields(server):
         assert c.model_info().vocab_size == 256
 
 
-def test_metrics_need_the_token_and_count_blocks_before_any_step():
+def test_metrics_are_the_operators_with_usage_per_tenant():
+    """Issue 53: any tenant's token read /metrics, whose global counters gave away another tenant's prompt sizes
+    and prefix-cache hits. Now a tenant's token gets 403, only the operator's scrape token reads the page, and
+    the page counts each tenant's usage apart (requests, prompt, cached and completion tokens). Also: the
+    block gauges are set before any step."""
     llm = LLM("tiny-llama", **LIMITS)  # a server of its own: no step has run on its engine
     s = ServerThread(llm, tenants=Tenants(TOKENS))
-    http = s.server.metrics.serve(0, tenants=s.server.tenants)
+    http = s.server.metrics.serve(0, tenants=s.server.tenants, scrape_token="scrape-me")
+    url = f"http://127.0.0.1:{http.server_port}/metrics"
+
+    def page(token: str | None) -> str:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10).read().decode()
+
     try:
-        url = f"http://127.0.0.1:{http.server_port}/metrics"
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(url, timeout=10)
-        assert e.value.code == 401
-        bad = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
-        with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(bad, timeout=10)
-        good = urllib.request.Request(url, headers={"Authorization": "Bearer token-b"})
-        text = urllib.request.urlopen(good, timeout=10).read().decode()
+        for token, code in ((None, 401), ("nope", 401), ("token-a", 403), ("token-b", 403)):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                page(token)
+            assert e.value.code == code, token
+        text = page("scrape-me")
         usable = llm.engine.blocks.num_usable_blocks
         assert f"engine_kv_blocks_total {float(usable)}" in text and "engine_steps_total 0.0" in text
+        with Client(s.target, auth_token="token-a") as c:
+            for _ in range(2):  # the second one hits alice's prefix cache: 4 blocks of 16
+                c.generate(SECRET, max_tokens=3, ignore_eos=True, temperature=0)
+        with Client(s.target, auth_token="token-b") as c:
+            c.generate([5, 6, 7], max_tokens=2, ignore_eos=True)
+        text = page("scrape-me")
+        for line in ('engine_tenant_requests_total{tenant="alice"} 2.0',
+                     f'engine_tenant_prompt_tokens_total{{tenant="alice"}} {2.0 * len(SECRET)}',
+                     'engine_tenant_cached_prompt_tokens_total{tenant="alice"} 64.0',
+                     'engine_tenant_completion_tokens_total{tenant="alice"} 6.0',
+                     'engine_tenant_requests_total{tenant="bob"} 1.0',
+                     'engine_tenant_prompt_tokens_total{tenant="bob"} 3.0',
+                     'engine_tenant_cached_prompt_tokens_total{tenant="bob"} 0.0',
+                     'engine_tenant_completion_tokens_total{tenant="bob"} 2.0'):
+            assert line in text, line
     finally:
         http.shutdown()
         s.stop()

@@ -70,10 +70,11 @@ def prometheus_text(metrics) -> str:
 
 
 def test_serve_exits_cleanly_on_sigterm(tmp_path):
-    token_file = tmp_path / "token"
+    token_file, scrape_file = tmp_path / "token", tmp_path / "scrape"
     token_file.write_text(TOKEN + "\n")
+    scrape_file.write_text("the-operators\n")
     cmd = [sys.executable, "-m", "engine.serve", "--model=tiny-llama", "--port=0", "--metrics_port=0",
-           "--grace_s=0.5", f"--auth_token_file={token_file}", "--num_blocks=64", "--max_num_seqs=4",
+           "--grace_s=0.5", f"--auth_token_file={token_file}", f"--metrics_token_file={scrape_file}", "--num_blocks=64", "--max_num_seqs=4",
            "--max_num_batched_tokens=32", f"--compilation_cache_dir={tmp_path / 'xla'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT))
@@ -82,7 +83,7 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
         assert line.startswith("listening on 127.0.0.1:") and line.endswith(" (warming up)\n"), line + proc.stderr.read()
         target = line.split(" on ")[1].split(",")[0]
         metrics = urllib.request.Request(line.split("metrics on ")[1].split()[0],
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
+                                         headers={"Authorization": "Bearer the-operators"})
         line = proc.stdout.readline()
         assert line.startswith("precompiled "), line + proc.stderr.read()  # --precompile is the default
         line = proc.stdout.readline()

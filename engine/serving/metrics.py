@@ -10,6 +10,7 @@ counters; `engine_generation_tokens_per_second` is a convenience over the last
 from __future__ import annotations
 
 import collections
+import hmac
 import socketserver
 import ssl
 import threading
@@ -75,6 +76,17 @@ class Metrics:
         self.cached_prompt_tokens = prom.Counter(
             "engine_cached_prompt_tokens", "Prompt tokens of finished requests whose KV came from the prefix cache.",
             registry=r)
+        # Per tenant: what an operator bills from (only the operator's scrape token reads /metrics, see `serve`).
+        self.tenant_requests = prom.Counter("engine_tenant_requests", "Finished requests per tenant.", ["tenant"],
+                                            registry=r)
+        self.tenant_prompt_tokens = prom.Counter("engine_tenant_prompt_tokens",
+                                                 "Prompt tokens of finished requests per tenant.", ["tenant"], registry=r)
+        self.tenant_cached_prompt_tokens = prom.Counter(
+            "engine_tenant_cached_prompt_tokens", "Prompt tokens from the prefix cache per tenant.", ["tenant"],
+            registry=r)
+        self.tenant_completion_tokens = prom.Counter("engine_tenant_completion_tokens",
+                                                     "Generated tokens of finished requests per tenant.", ["tenant"],
+                                                     registry=r)
         self.requests = prom.Gauge("engine_requests", "Requests in the engine by state.", ["state"], registry=r)
         self.finished = prom.Counter("engine_requests_finished", "Requests ended, by finish reason "
                                      "(stop, length, abort; error: the engine failed while running it).",
@@ -147,10 +159,15 @@ class Metrics:
                 self.class_proposer.labels(name, proposer.kind).set(float(drafted))
                 self.class_proposer.labels(name, "off").set(float(not drafted))
 
-    def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int) -> None:
+    def record_finished(self, reason: str, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
+                        tenant: str) -> None:
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.tenant_cached_prompt_tokens.labels(tenant).inc(cached_prompt_tokens)
+        self.tenant_completion_tokens.labels(tenant).inc(completion_tokens)
         with self._lock:
             self._prompt += prompt_tokens
             self._cached += cached_prompt_tokens
@@ -165,17 +182,20 @@ class Metrics:
             return sum(n for t, n in self._window if t >= now - TOKENS_PER_SECOND_WINDOW_S) / TOKENS_PER_SECOND_WINDOW_S
 
     def serve(self, port: int, host: str = "127.0.0.1", *, certfile: str | None = None, keyfile: str | None = None,
-              tenants=None):
+              tenants=None, scrape_token: str | None = None):
         """Serves `/metrics` over HTTP on a daemon thread; port 0 picks a free one.
 
-        With `certfile`/`keyfile` (PEM paths) it serves HTTPS; with `tenants`
-        (`engine.serving.auth.Tenants`) a request needs one of their bearer
-        tokens (else 401), as the gRPC service does. Returns the server (its
-        `server_port`; `shutdown()` stops it).
+        With `certfile`/`keyfile` (PEM paths) it serves HTTPS. With
+        `scrape_token` (the operator's scrape credential, as Prometheus's
+        `authorization` config sends it) a request needs `Authorization:
+        Bearer <scrape_token>`, else 401. The page counts every tenant's
+        traffic, so with `tenants` (`engine.serving.auth.Tenants`) a tenant's
+        token gets 403, and without a scrape token nobody reads it. Returns the
+        server (its `server_port`; `shutdown()` stops it).
         """
         app = prom.make_wsgi_app(self.registry)
-        if tenants is not None:
-            app = _bearer_required(app, tenants)
+        if tenants is not None or scrape_token is not None:
+            app = _operator_only(app, tenants, scrape_token)
         server = wsgiref.simple_server.make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
         if certfile:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -194,11 +214,18 @@ class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
         pass
 
 
-def _bearer_required(app, tenants):
+def _operator_only(app, tenants, scrape_token: str | None):
+    expected = None if scrape_token is None else f"Bearer {scrape_token}".encode()
+
     def guarded(environ, start_response):
-        if tenants.tenant_of([("authorization", environ.get("HTTP_AUTHORIZATION", ""))]) is None:
-            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
-            return [b"missing or wrong auth token: send 'Authorization: Bearer <token>'\n"]
-        return app(environ, start_response)
+        sent = environ.get("HTTP_AUTHORIZATION", "")
+        if expected is not None and hmac.compare_digest(sent.encode(), expected):
+            return app(environ, start_response)
+        if tenants is not None and tenants.tenant_of([("authorization", sent)]) is not None:
+            start_response("403 Forbidden", [("Content-Type", "text/plain")])
+            return [b"a tenant's token does not read /metrics (it counts every tenant's traffic): scrape with the "
+                    b"operator's token (--metrics_token_file)\n"]
+        start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong scrape token: send 'Authorization: Bearer <token>' (--metrics_token_file)\n"]
 
     return guarded

@@ -285,8 +285,9 @@ class GenerationServicer:
         except (_BadRequest, InvalidRequestError) as e:
             self.metrics.rejected.inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        salt = f"{self._tenant(context)}\x00{request.cache_salt}"
-        stream = self.worker.submit(prompt, sampling, priority=request.priority, cache_salt=salt)
+        tenant = self._tenant(context)
+        stream = self.worker.submit(prompt, sampling, priority=request.priority,
+                                    cache_salt=f"{tenant}\x00{request.cache_salt}", tenant=tenant)
         label = request.request_id or stream.request_id
         finished = False
         try:

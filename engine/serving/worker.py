@@ -40,6 +40,7 @@ from engine.distributed import HEARTBEAT_S, broadcast_object
 from engine.engine import Engine, ScoreJob
 from engine.outputs import RequestOutput
 from engine.scoring import ScoreOutput
+from engine.serving.auth import DEFAULT_TENANT
 from engine.serving.metrics import Metrics
 from scheduler.request import InvalidRequestError, Request, SamplingParams
 
@@ -70,6 +71,7 @@ class Stream:
     arrival: float  # time.monotonic() at submit
     request: Request | None = None  # set on the engine thread once the engine accepted it
     last_token_time: float | None = None
+    tenant: str = DEFAULT_TENANT  # whose usage it counts as (`Metrics`)
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,13 +109,15 @@ class EngineWorker:
     # ---- any thread ------------------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, *, priority: int = 0,
-               cache_salt: str | None = None) -> Stream:
+               cache_salt: str | None = None, tenant: str = DEFAULT_TENANT) -> Stream:
         """Queues a request under a fresh id; call from a running event loop, whose queue gets the outputs.
 
         Validation happens on the engine thread: an invalid request's stream
-        receives the `InvalidRequestError`. `cache_salt`: see `Engine.add_request`.
+        receives the `InvalidRequestError`. `cache_salt`: see `Engine.add_request`. `tenant`: whose usage
+        the metrics count it as.
         """
-        stream = Stream(uuid.uuid4().hex, asyncio.Queue(), asyncio.get_running_loop(), time.monotonic())
+        stream = Stream(uuid.uuid4().hex, asyncio.Queue(), asyncio.get_running_loop(), time.monotonic(),
+                        tenant=tenant)
         self._commands.put(("add", stream, list(prompt_token_ids), sampling, priority, cache_salt))
         return stream
 
@@ -343,7 +347,8 @@ class EngineWorker:
     def _record_finished(self, stream: Stream, reason: str) -> None:
         if stream.request is not None:
             self.metrics.record_finished(reason, len(stream.request.prompt_token_ids),
-                                         stream.request.num_cached_tokens)
+                                         stream.request.num_cached_tokens, len(stream.request.output_token_ids),
+                                         stream.tenant)
 
 
 def _aborted(stream: Stream) -> RequestOutput:
