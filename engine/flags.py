@@ -63,6 +63,8 @@ flags.DEFINE_bool("async_scheduling", True, "Schedule and dispatch the next step
                   "back, hiding the host's work behind the device's (steps without speculation).")
 flags.DEFINE_integer("max_model_len", None, "Prompt + output tokens per request; default the model's limit "
                      "(capped by the KV pool).")
+flags.DEFINE_float("grace_s", 10.0, "On SIGTERM or Ctrl-C, seconds what is in flight (the server's calls, the batch "
+                   "job's lines) gets to finish before it is aborted.")
 flags.DEFINE_integer("max_stop_strings", 16, "Most stop strings per request.")
 flags.DEFINE_integer("max_stop_chars", 256, "Most characters per stop string (a stream holds back one fewer than "
                      "its longest).")

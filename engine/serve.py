@@ -47,7 +47,6 @@ flags.DEFINE_string("metrics_token_file", None, "File holding the operator's scr
 flags.DEFINE_integer("max_request_bytes", 1 << 20, "Largest request message (text, chat, token ids), in bytes.")
 flags.DEFINE_integer("max_score_inputs", 64, "Most sequences in one Score call.")
 flags.DEFINE_integer("max_score_tokens", 1 << 16, "Most tokens over all sequences of one Score call.")
-flags.DEFINE_float("grace_s", 10.0, "On SIGTERM, seconds calls in flight get to finish before they are aborted.")
 flags.DEFINE_bool("precompile", True, "Compile every step shape before serving, so no call waits for a "
                   "compilation (takes minutes on CPU for the real model; --noprecompile skips it).")
 

@@ -338,3 +338,70 @@ def test_data_parallel_workers_merge_to_the_single_process_output(tmp_path):
     same = _job(tmp_path, None, "--data_parallel_size=2", name="in.jsonl", check=False)
     assert same.returncode == 2 and "must not be the input" in same.stderr
     assert len((tmp_path / "in.jsonl").read_text().splitlines()) == 15  # the input is untouched
+
+
+def test_output_problems_are_one_line_and_exit_74(tmp_path):
+    """Issue 53: an output path that is a directory, a read-only folder and a full disk each printed a Python
+    traceback and exited 1, like a run with bad lines. Each is now one line naming the path and the reason,
+    exit 74; all but the full disk are found before the model loads."""
+    lines = [{"id": i, "prompt": f"number {i}", "max_tokens": 3} for i in range(4)]
+    (tmp_path / "adir").mkdir()
+    cases = [("adir", "is a directory"), ("missing/out.jsonl", "no directory")]
+    if os.geteuid() != 0:  # root writes into a read-only folder
+        (tmp_path / "ro").mkdir(mode=0o555)
+        cases.append(("ro/out.jsonl", "cannot be written: Permission denied"))
+    for name, reason in cases:
+        out = _job(tmp_path, lines, name=name, check=False)
+        assert out.returncode == 74 and reason in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    # A full disk mid-run: /dev/full opens, and every write fails with ENOSPC.
+    out = _job(tmp_path, lines, "--overwrite", name="/dev/full", check=False)
+    assert out.returncode == 74 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "No space left on device; 0 records are safe in it" in out.stderr and "rerun" in out.stderr
+
+
+def test_a_line_past_the_size_limit_is_an_error_record_and_never_held_whole(tmp_path):
+    """Issue 53: a 50 MB line was tokenized whole before the length check (77 s, 7.8 GB RSS). Now it is read
+    past in pieces and gets an error record; the lines around it run, and a rerun skips it (exit 1: the file
+    holds an error record)."""
+    import tracemalloc
+
+    from engine.batch.io import read_lines
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        f.write('{"id": 0, "prompt": "a"}\n{"id": 1, "prompt": "' + "word " * 10_000_000 + '"}\n{"id": 2, "prompt": "b"}\n')
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    got = [(n, text is None) for n, text, _ in read_lines(big, max_line_bytes=1 << 20)]
+    seconds, (_, peak) = time.perf_counter() - t0, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert got == [(1, False), (2, True), (3, False)]
+    assert seconds < 5 and peak < 8 << 20, (seconds, peak)  # 50 MB read past with at most ~2 MiB held
+    lines = [{"id": 0, "prompt": "a b", "max_tokens": 2}, json.dumps({"id": 1, "prompt": "x" * 3_000_000}),
+             {"id": 2, "prompt": "c d", "max_tokens": 2}]
+    for run in range(2):
+        out = _job(tmp_path, lines, "--max_line_bytes=1000000")
+        assert out.returncode == 1, out.stderr[-2000:]
+    records = _records(tmp_path / "out.jsonl")
+    assert [r.get("line") for r in records] == [None, 2, None] and [r["id"] for r in records] == [0, None, 2]
+    assert "longer than 1000000 bytes (--max_line_bytes)" in records[1]["error"]
+
+
+def test_sigterm_gives_lines_in_flight_a_grace_then_leaves_them_for_the_rerun(tmp_path):
+    """Issue 53: SIGTERM with every line in flight finished all of them (52 s) and exited 1, not 143. Now
+    the lines in flight get --grace_s, then are aborted unwritten; the job exits 143 and a rerun writes them."""
+    lines = [{"id": 0, "prompt": "start", "max_tokens": 2, "temperature": 0}] + [
+        {"id": i, "prompt": f"number {i}", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        for i in range(1, 12)]
+    proc = _job(tmp_path, lines, "--max_inflight=64", "--grace_s=0.2", "--unordered", wait=False)
+    path = tmp_path / "out.jsonl"
+    t0 = time.time()
+    while not (path.exists() and path.read_text().count("\n") >= 1) and time.time() - t0 < 300:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr[-2000:]
+    first = [r["id"] for r in _records(path)]
+    assert 0 in first and len(first) < 12 and "interrupted" in stderr
+    assert _job(tmp_path, lines, "--max_inflight=64", "--unordered").returncode == 0
+    assert sorted(r["id"] for r in _records(path)) == list(range(12))

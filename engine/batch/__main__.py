@@ -5,9 +5,15 @@
 One output record per input line (formats: `engine.batch.formats`), in
 input order unless --unordered. Rerunning the same command resumes: lines
 already in the output are skipped, a torn last line is redone. A bad line
-gets an error record and the job goes on; the exit code is 1 when any line
-failed, 143 when SIGTERM or Ctrl-C stopped the job early (what was in
-flight is written first), 2 for bad flags or a model that cannot load.
+(one longer than --max_line_bytes included, refused unparsed) gets an error
+record and the job goes on. SIGTERM or Ctrl-C stops admitting lines; the
+lines in flight get --grace_s seconds, then are aborted and left, with the
+rest, for a rerun. Exit codes: 0 every line ran; 1 the output holds error
+records (this run's or a resumed run's); 2 bad flags, input or model; 74 the
+output cannot be written (checked before the model loads: a directory, a
+missing or read-only folder, no permission; or mid-run: a full disk, where
+the records written stay and a rerun resumes); 143 stopped by a signal with
+lines left for a rerun.
 Sharding: run `--num_shards=N --shard_index=i` per machine, then
 `--merge=out0.jsonl,out1.jsonl,... --input=... --output=...`. On one host,
 `--data_parallel_size=N` does both: N worker processes, worker i on device
@@ -46,6 +52,8 @@ flags.DEFINE_integer("num_shards", 1, "Split the input into this many shards (li
 flags.DEFINE_integer("shard_index", 0, "The shard this run takes, in [0, num_shards).")
 flags.DEFINE_integer("data_parallel_size", 1, "Run this many shard workers on this host, one engine each on "
                      "its own device group (GPU i, or a slice of the CPU cores), then merge their outputs.")
+flags.DEFINE_integer("max_line_bytes", 1 << 20, "Longest input line in bytes: a longer one gets an error record "
+                     "without being parsed or tokenized.")
 flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --output in --input order "
                   "(nothing is generated).")
 
@@ -53,12 +61,29 @@ flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --
 # steps cost 2.5x a mixed step's per-token time (benchmarks/RESULTS.md, 2026-12-04).
 FLAGS.set_default("max_num_seqs", 128)
 
-EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED = 1, 2, 128 + signal.SIGTERM
+EXIT_FAILED_LINES, EXIT_USAGE, EXIT_IO, EXIT_STOPPED = 1, 2, 74, 128 + signal.SIGTERM  # 74: sysexits' EX_IOERR
 
 
-def _fail_usage(message: str) -> int:
+def _fail_usage(message: str, code: int = EXIT_USAGE) -> int:
     print(f"error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return code
+
+
+def _output_problem(path: str, resuming: bool) -> str | None:
+    """Why the job could not write `path`, found before the model loads; None if it can."""
+    if os.path.isdir(path):
+        return f"--output {path} is a directory"
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"--output {path}: no directory {folder}"
+    if resuming and os.path.exists(path) and not os.path.isfile(path):
+        return f"--output {path} is not a regular file, so it cannot be resumed from (--overwrite writes it anew)"
+    try:
+        with open(path, "ab"):  # creates it (empty) where it is missing
+            pass
+    except OSError as e:
+        return f"--output {path} cannot be written: {e.strerror or e}"
+    return None
 
 
 def main(argv):
@@ -70,13 +95,17 @@ def main(argv):
     lead = FLAGS.process_id == 0  # the process that reads and writes the files
     if lead and not os.path.exists(FLAGS.input):
         return _fail_usage(f"no input file {FLAGS.input}")
-    from engine.batch.io import Discard, Resume, Writer, read_lines, read_resume
+    from engine.batch.io import Discard, OutputError, Resume, Writer, read_lines, read_resume
     from engine.batch.runner import BatchJob
 
     if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
         return _fail_usage("--output must not be the input file")
-    if lead and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
-        return _fail_usage(f"no directory for --output {FLAGS.output}")
+    if FLAGS.max_line_bytes < 1:
+        return _fail_usage("--max_line_bytes must be >= 1")
+    problem = _output_problem(FLAGS.output, resuming=not FLAGS.overwrite) if lead and not FLAGS.merge and \
+        FLAGS.data_parallel_size == 1 else None
+    if problem:
+        return _fail_usage(problem, EXIT_IO)
     if FLAGS.num_processes > 1 and (FLAGS.merge or FLAGS.data_parallel_size != 1):
         return _fail_usage("--merge and --data_parallel_size run in one process (--num_processes spans one "
                            "engine over several)")
@@ -105,7 +134,8 @@ def main(argv):
               + (f" (cut a torn last line of {resume.torn_bytes} bytes)" if resume.torn_bytes else ""),
               file=sys.stderr)
     writer = Writer(FLAGS.output, ordered=not FLAGS.unordered, overwrite=FLAGS.overwrite) if lead else Discard()
-    job = BatchJob(llm, FLAGS.mode, writer, FLAGS.max_inflight, FLAGS.score_stride, FLAGS.model)
+    job = BatchJob(llm, FLAGS.mode, writer, FLAGS.max_inflight, FLAGS.score_stride, FLAGS.model,
+                   FLAGS.max_line_bytes, FLAGS.grace_s)
 
     def stop(signum, frame):  # finish what is in flight; a second signal ends the process at once
         job.stopping = True
@@ -117,15 +147,20 @@ def main(argv):
 
     progress = tqdm(total=os.path.getsize(FLAGS.input) if lead else 0, unit="B", unit_scale=True, desc="input",
                     disable=None if lead else True, file=sys.stderr)
-    lines = read_lines(FLAGS.input, FLAGS.num_shards, FLAGS.shard_index) if lead else iter(())
+    lines = read_lines(FLAGS.input, FLAGS.num_shards, FLAGS.shard_index, FLAGS.max_line_bytes) if lead else iter(())
     try:
-        summary = job.run(lines, resume, progress)
-    except BaseException:
-        job.abandon()
-        raise
-    finally:
-        progress.close()
-        writer.close()
+        try:
+            summary = job.run(lines, resume, progress)
+        except BaseException:
+            job.abandon()
+            raise
+        finally:
+            progress.close()
+            writer.close()
+    except OutputError as e:
+        safe = resume.num_records + e.written
+        return _fail_usage(f"{e.strerror}; {safe} records are safe in it: make room and rerun the same command to "
+                           "resume", EXIT_IO)
     if not lead:
         print(f"followed process 0: {summary.line()}", file=sys.stderr)
     else:
@@ -135,14 +170,14 @@ def main(argv):
             json.dump(summary.as_dict(), f, indent=2)
     if summary.interrupted:
         return EXIT_STOPPED
-    return EXIT_FAILED_LINES if summary.lines_failed else 0
+    return EXIT_FAILED_LINES if summary.lines_failed or resume.done_lines else 0
 
 
 def _merge(shards: list[str]) -> int:
     """Joins finished shard outputs into --output; 1 when ids repeated across shards became error records."""
     from engine.batch.io import merge_shards
     try:
-        records, duplicates = merge_shards(FLAGS.input, shards, FLAGS.output)
+        records, duplicates = merge_shards(FLAGS.input, shards, FLAGS.output, FLAGS.max_line_bytes)
     except (ValueError, OSError) as e:
         return _fail_usage(str(e))
     print(f"merged {records} records from {len(shards)} shards into {FLAGS.output}"

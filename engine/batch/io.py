@@ -27,7 +27,7 @@ class Resume:
     """What an earlier run of the job already wrote: ids of lines that ran, and line numbers of error records."""
 
     done_keys: set = dataclasses.field(default_factory=set)
-    done_lines: set = dataclasses.field(default_factory=set)
+    done_lines: set = dataclasses.field(default_factory=set)  # lines with error records: the file has errors
     num_records: int = 0
     torn_bytes: int = 0  # cut from the end of the file
 
@@ -67,20 +67,40 @@ def read_resume(path: str) -> Resume:
     return state
 
 
-def read_lines(path: str, num_shards: int = 1, shard_index: int = 0) -> Iterator[tuple[int, str, int]]:
+def read_lines(path: str, num_shards: int = 1, shard_index: int = 0,
+               max_line_bytes: int | None = None) -> Iterator[tuple[int, str | None, int]]:
     """Yields (1-based line number, text, bytes read so far) for this shard's non-blank lines, streaming.
 
-    Shard `i` of `n` takes lines `i + 1, i + 1 + n, ...`.
+    Shard `i` of `n` takes lines `i + 1, i + 1 + n, ...`. A line longer than
+    `max_line_bytes` yields text None: it is read past in pieces, never held whole.
     """
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
     with open(path, "rb") as f:
-        offset = 0
-        for n, raw in enumerate(f, start=1):
+        offset, n = 0, 0
+        while raw := f.readline(limit):
+            n += 1
             offset += len(raw)
+            too_long = len(raw) == limit and not raw.endswith(b"\n")
+            while too_long and (rest := f.readline(1 << 20)):
+                offset += len(rest)
+                if rest.endswith(b"\n"):
+                    break
             if (n - 1) % num_shards != shard_index:
+                continue
+            if too_long:
+                yield n, None, offset
                 continue
             text = raw.decode("utf-8", errors="replace")
             if text.strip():
                 yield n, text, offset
+
+
+class OutputError(OSError):
+    """Writing the output failed (a full disk, an I/O error); `written` records of this run are in it."""
+
+    def __init__(self, path: str, error: OSError, written: int):
+        super().__init__(error.errno, f"writing {path}: {error.strerror or error}")
+        self.written = written
 
 
 class Writer:
@@ -114,17 +134,28 @@ class Writer:
             self._next += 1
 
     def _write(self, record: dict) -> None:
-        self._f.write(record_text(record))
-        self._f.flush()
+        try:
+            self._f.write(record_text(record))
+            self._f.flush()
+            if time.monotonic() - self._synced > 1.0:
+                os.fsync(self._f.fileno())
+                self._synced = time.monotonic()
+        except OSError as e:
+            raise OutputError(self._f.name, e, self.written) from None
         self.written += 1
-        if time.monotonic() - self._synced > 1.0:
-            os.fsync(self._f.fileno())
-            self._synced = time.monotonic()
 
     def close(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        """Flushes and closes; raises `OutputError` if the last records could not be written."""
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:
+            raise OutputError(self._f.name, e, self.written) from None
+        finally:
+            try:
+                self._f.close()
+            except OSError:
+                pass  # the flush above said why
 
 
 class Discard:
@@ -139,7 +170,8 @@ class Discard:
         pass
 
 
-def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> tuple[int, int]:
+def merge_shards(input_path: str, shard_paths: list[str], output_path: str,
+                 max_line_bytes: int | None = None) -> tuple[int, int]:
     """Joins shard outputs (written in order, the default) into one file in input order.
 
     Line `n` of the input belongs to shard `(n - 1) % len(shard_paths)`; each
@@ -160,13 +192,13 @@ def merge_shards(input_path: str, shard_paths: list[str], output_path: str) -> t
     claimed = set()
     try:
         with open(output_path, "w", encoding="utf-8") as out:
-            for line, text, _ in read_lines(input_path):
+            for line, text, _ in read_lines(input_path, max_line_bytes=max_line_bytes):
                 shard = (line - 1) % n_shards
                 raw = shards[shard].readline()
                 if not raw.endswith("\n"):
                     raise ValueError(f"{shard_paths[shard]} ends before input line {line}: is the shard finished?")
                 record = json.loads(raw)
-                key, openai = line_key(decode(text))
+                key, openai = (None, False) if text is None else line_key(decode(text))
                 if record_line(record) != line and (record_line(record) is not None or record_key(record) != key):
                     raise ValueError(f"{shard_paths[shard]}: the record for input line {line} (id {key!r}) is not "
                                      "next; shards must be complete and written in order (not --unordered)")

@@ -123,10 +123,13 @@ class BatchJob:
       max_inflight: most lines in the engine at once.
       score_stride: new tokens per window when a text is longer than the context.
       model_name: the `model` field of OpenAI records.
+      max_line_bytes: the input's line-size limit (named in the error record of a longer line).
+      grace_s: once `stopping` is set, seconds the lines in flight get before they are aborted (and left,
+        unwritten, for a rerun).
     """
 
     def __init__(self, llm, mode: str, writer: Writer, max_inflight: int, score_stride: int | None,
-                 model_name: str):
+                 model_name: str, max_line_bytes: int | None = None, grace_s: float = float("inf")):
         self.engine = llm.engine
         self.tokenizer = llm.tokenizer
         self.mode = mode
@@ -136,6 +139,8 @@ class BatchJob:
         self.score_window = window
         self.score_stride = min(score_stride or window // 2, window - 1)
         self.model_name = model_name
+        self.max_line_bytes = max_line_bytes
+        self.grace_s = grace_s
         self.summary = Summary()
         self.stopping = False  # set by a signal handler: admit nothing more, finish what is in flight
         self._generating: dict[str, _Generation] = {}
@@ -157,7 +162,14 @@ class BatchJob:
         self.summary.lines_failed += 1
         self.writer.put(seq, error_record(line, key, message, openai))
 
-    def _admit(self, line: int, text: str, resume: Resume) -> None:
+    def _admit(self, line: int, text: str | None, resume: Resume) -> None:
+        if text is None:  # past the line-size limit (`read_lines`): refused unparsed
+            if line in resume.done_lines:
+                self.summary.lines_skipped += 1
+            else:
+                self._fail(self._next_seq(), line, None, f"the line is longer than {self.max_line_bytes} bytes "
+                           "(--max_line_bytes); it was not parsed", False)
+            return
         obj = decode(text)
         key, openai = line_key(obj)
         if line in resume.done_lines or (key is not None and key in resume.done_keys and key not in self._claimed):
@@ -226,10 +238,14 @@ class BatchJob:
         shared, lead = jax.process_count() > 1, is_leader()
         resume = broadcast_object(resume)
         source = iter(lines)
-        exhausted = False
+        exhausted = given_up = False
         offset = 0
+        stop_at = None
         while True:
             stopping = self.stopping  # once per turn: what the followers are told is what this process does
+            if stopping and stop_at is None:
+                stop_at = time.monotonic() + self.grace_s
+            give_up = stopping and time.monotonic() >= stop_at and bool(self._generating or self._scoring)
             if lead:
                 admitted = []
                 while not exhausted and not stopping and self._room():
@@ -244,11 +260,15 @@ class BatchJob:
                         progress.update(end - offset)
                     offset = end
                 if shared:
-                    broadcast_object((admitted, exhausted, stopping))
+                    broadcast_object((admitted, exhausted, stopping, give_up))
             else:
-                admitted, exhausted, stopping = broadcast_object()
+                admitted, exhausted, stopping, give_up = broadcast_object()
                 for line, text in admitted:
                     self._admit(line, text, resume)
+            if give_up:  # the grace is over: what is in flight is aborted, unwritten, for a rerun
+                self.abandon()
+                given_up = True
+                break
             worked = False
             if self._scoring:
                 worked = self._score_step()
@@ -262,7 +282,7 @@ class BatchJob:
                                      tok_s=f"{self.summary.generated_tokens / (time.perf_counter() - t0):.0f}",
                                      refresh=False)
         self.summary.wall_s = time.perf_counter() - t0
-        self.summary.interrupted = stopping and not exhausted
+        self.summary.interrupted = stopping and (given_up or not exhausted)
         return self.summary
 
     def _collect(self, outs: list[RequestOutput]) -> None:
@@ -327,9 +347,12 @@ class BatchJob:
         self.writer.put(task.seq, score_record(task.job, out, task.num_context))
 
     def abandon(self) -> None:
-        """Frees what is in flight (after an error in the engine): nothing more is written for it."""
+        """Frees what is in flight (after an error, or when the grace after a stop is over): nothing more is
+        written for it."""
         for request_id in list(self._generating):
             self.engine.abort(request_id)
         for task in self._scoring:
             if task.current is not None:
                 self.engine.end_score(task.current)
+        self._generating.clear()
+        self._scoring.clear()
