@@ -14,6 +14,7 @@ import os
 import gguf
 import jinja2
 import jinja2.ext
+import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -189,11 +190,14 @@ class Tokenizer:
         return [self._bos] + ids if self._add_bos and self._bos is not None else ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if len(ids) > _LONG:  # numpy's loops and the batch call hold the GIL briefly: other threads run meanwhile
+            ids = np.asarray(ids, np.int64)
+            if skip_special_tokens:
+                ids = ids[~np.isin(ids, np.fromiter(self._skip, np.int64, len(self._skip)))]
+            return self._tok.decode_batch([ids.tolist()], skip_special_tokens=False)[0]
         ids = [int(i) for i in ids]
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._skip]
-        if len(ids) > _LONG:
-            return self._tok.decode_batch([ids], skip_special_tokens=False)[0]
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:

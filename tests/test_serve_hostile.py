@@ -169,7 +169,10 @@ def test_a_huge_chat_is_refused_before_templating(server):
 def test_a_cancelled_score_stops_and_does_not_hold_up_streams(server):
     """Finding 4: a Score went on after its deadline and held the engine thread (a stream got nothing for 87 s)."""
     inputs = [pb.ScoreInput(token_ids=pb.TokenIds(ids=[(7 * i + j) % 250 + 3 for j in range(250)]))
-              for i in range(400)]  # 400 x 250 tokens: many seconds of scoring on this model
+              for i in range(400)]  # 400 x 250 tokens: many seconds of scoring at 5 ms a chunk (below)
+
+    def slow_scoring(engine):
+        engine.score_chunks = lambda jobs, real=engine.score_chunks: (time.sleep(0.005), real(jobs))[1]
 
     async def scenario():
         async with AsyncClient(server.target, auth_token="token-a") as c:
@@ -183,7 +186,11 @@ def test_a_cancelled_score_stops_and_does_not_hold_up_streams(server):
             deadline_at = time.monotonic() - t
             return e.value, deadline_at, await stream
 
-    error, deadline_at, (gap, messages) = asyncio.run(scenario())
+    server.on_engine(slow_scoring)
+    try:
+        error, deadline_at, (gap, messages) = asyncio.run(scenario())
+    finally:
+        server.on_engine(lambda engine: engine.__dict__.pop("score_chunks"))
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_at < 3
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert gap < 2, f"a stream waited {gap:.2f} s while a Score ran"
