@@ -43,20 +43,22 @@ monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def use_persistent_cache(path: str | None = None) -> str:
-    """Keeps every compiled program in JAX's persistent compilation cache at `path` (default
-    `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jax-spec-engine/xla`), so a restarted process loads its programs
-    instead of compiling them; returns the folder. Call before the first compilation. The key covers the program, jax/jaxlib and the
-    backend, so a changed model or engine compiles afresh. The engine's step programs are kept whole in
-    `<path>/executables` too (`engine.programs`: a restart neither traces nor lowers them). Loading is
-    counted by `compilation_count` too.
+    """Keeps the engine's compiled programs (its step, Score and block programs) at `path` (default
+    `$JAX_COMPILATION_CACHE_DIR`, else `~/.cache/jax-spec-engine/xla`) as serialized executables in
+    `<path>/executables` (`engine.programs`), so a restarted process loads them without tracing, lowering or
+    compiling; returns the folder. Call before the first compilation. The key covers the programs' settings
+    and source, jax/jaxlib and the backend, so a changed model or engine compiles afresh. Loading is counted
+    by `compilation_count` too.
+
+    JAX's own persistent cache is turned off in this process: an executable it hands back, serialized again,
+    loads but fails to run on XLA:CPU (jax 0.10.2: `NOT_FOUND: Function ... not found`). The few small
+    programs outside the engine's (weight staging) compile on each start.
     """
     from checkpoints.resolve import cache_dir
 
     path = path or os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(cache_dir(), "xla")
     os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_enable_compilation_cache", False)
     global _executable_dir
     _executable_dir = os.path.join(path, "executables")
     return path

@@ -13,6 +13,10 @@ step of each shape after warm-up does not trace again either.
 
 Only processes that call `engine.compilation.use_persistent_cache` (the
 server, the batch job) keep executables on disk; others keep them in memory.
+An executable that JAX's own persistent cache handed back is never written:
+on XLA:CPU (jax 0.10.2) such an executable, serialized again, loads but then
+fails to run (`NOT_FOUND: Function ... not found`); `use_persistent_cache`
+turns JAX's cache off for that reason.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import logging
 import os
 import pickle
 import sys
+import threading
 from typing import Any, Callable
 
 import jax
 import jaxlib
+from jax import monitoring
 from jax.experimental import serialize_executable
 
 from engine import compilation
@@ -35,6 +41,15 @@ log = logging.getLogger(__name__)
 
 # The packages whose code is traced into programs (a change to any of them is a new program).
 _PACKAGES = ("engine", "model", "pallas_kernels", "scheduler", "cpu_kernels", "checkpoints")
+_from_jax_cache = threading.local()  # set when JAX's persistent cache served this thread's last compilation
+
+
+def _on_event(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _from_jax_cache.hit = True
+
+
+monitoring.register_event_listener(_on_event)
 
 
 @functools.cache
@@ -120,9 +135,10 @@ class Programs:
                 pass
             except Exception as e:  # a torn or foreign file: compile afresh and replace it
                 log.warning("executable %s did not load (%s): compiling it", path, e)
+        _from_jax_cache.hit = False
         compiled = fn.lower(*args).compile()
         self.num_compiled += 1
-        if path is not None:
+        if path is not None and not _from_jax_cache.hit:
             try:
                 os.makedirs(folder, exist_ok=True)
                 tmp = f"{path}.{os.getpid()}.tmp"

@@ -361,17 +361,23 @@ class ModelRunner:
     def apply_block_ops(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
         for request, blocks in plan.swap_out:
-            kv = gather_blocks(self.pools, self._block_ids(blocks))
+            kv = self._block_op(gather_blocks, self.pools, self._block_ids(blocks))
             request.swapped_kv = jax.tree.map(lambda x: np.asarray(x)[:, :len(blocks)], kv)
         for request, blocks in plan.swap_in:
             kv, request.swapped_kv = request.swapped_kv, None
             ids = self._block_ids(blocks)
             pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
-            self.pools = scatter_blocks(self.pools, ids, jax.tree.map(lambda x: np.pad(x, pad), kv))
+            self.pools = self._block_op(scatter_blocks, self.pools, ids, jax.tree.map(lambda x: np.pad(x, pad), kv))
         if plan.copies:
             src = self._block_ids([c.src for c in plan.copies])
             dst = self._block_ids([c.dst for c in plan.copies])
-            self.pools = copy_blocks(self.pools, src, dst)
+            self.pools = self._block_op(copy_blocks, self.pools, src, dst)
+
+    def _block_op(self, fn, pools, ids: np.ndarray, *rest):
+        """`fn(pools, ids, *rest)` (`rest`: host arrays, as `ids`) through `programs`, kept with the step
+        programs: one per block-op bucket."""
+        args = (pools, ids, *rest)
+        return self.programs.get((fn.__name__, ids.shape[0]), fn, args)(*args)
 
     def _block_ids(self, blocks) -> np.ndarray:
         """Block ids padded with the reserved block 0 to a block-op bucket."""
@@ -473,8 +479,9 @@ class ModelRunner:
             list(pool.map(compile_ahead, jobs))
         for n in block_ops:
             ids = np.zeros(n, np.int32)
-            self.pools = copy_blocks(self.pools, ids, ids)
-            self.pools = scatter_blocks(self.pools, ids, gather_blocks(self.pools, ids))
+            self.pools = self._block_op(copy_blocks, self.pools, ids, ids)
+            kv = jax.tree.map(np.asarray, self._block_op(gather_blocks, self.pools, ids))
+            self.pools = self._block_op(scatter_blocks, self.pools, ids, kv)
             tick()
         jax.block_until_ready(self.pools)
         return len(shapes)
