@@ -252,8 +252,8 @@ class GenerationServicer:
         return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
 
     async def _refuse_unless_serving(self, context: grpc.aio.ServicerContext) -> None:
-        """UNAVAILABLE while the server drains, and until the engine is ready, then with gRPC's retry pushback
-        (`grpc-retry-pushback-ms`, honoured by clients with a retry policy) and the progress in the message."""
+        """UNAVAILABLE while the server drains; until the engine is ready, UNAVAILABLE with gRPC's retry
+        pushback (`grpc-retry-pushback-ms`, honoured by clients with a retry policy) and the progress."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the server is shutting down: calls in flight finish, new ones go elsewhere")
