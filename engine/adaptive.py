@@ -42,13 +42,15 @@ class SpeculationConfig:
     prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
       longest first.
     method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head),
-      "medusa" (Medusa heads) or "ngram" (prompt lookup).
+      "medusa" (Medusa heads), "ngram" (prompt lookup) or "suffix" (suffix
+      decoding: `engine.suffix_proposer.SuffixProposer`; token trees only).
     tree_nodes: 0 for chains; else proposals are token trees of at most this
       many nodes below the root (<= 31: a tree mask is one int32 word), each
       path at most `num_speculative_tokens` deep. "ngram": the continuations of
       every earlier match, merged (`scheduler.ngram.lookup_tree`); "medusa": the
       heads' static sparse tree (`model.medusa.medusa_tree`); "eagle": EAGLE-2
-      dynamic trees (`engine.speculative.make_eagle_tree_step`).
+      dynamic trees (`engine.speculative.make_eagle_tree_step`); "suffix": the
+      likeliest continuations of the longest suffix match.
     tree_branching: "eagle" trees: children proposed per expanded node, and
       nodes expanded per level (EAGLE-2's top-k), 1..8.
     ngram_in_tree: "eagle" trees: where the context has an n-gram match
@@ -69,6 +71,7 @@ class SpeculationConfig:
     tree_nodes: int = 0
     tree_branching: int = 4
     ngram_in_tree: bool = False
+    suffix_cache_tokens: int = 65536
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -78,15 +81,20 @@ class SpeculationConfig:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral if kind is int else numbers.Real):
                 raise ValueError(f"{field.name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
             setattr(self, field.name, kind(value))  # numpy scalars become Python's
-        if self.method not in ("draft", "eagle", "medusa", "ngram"):
-            raise ValueError(f"speculation method must be 'draft', 'eagle', 'medusa' or 'ngram', got {self.method!r}")
+        if self.method not in ("draft", "eagle", "medusa", "ngram", "suffix"):
+            raise ValueError(f"speculation method must be 'draft', 'eagle', 'medusa', 'ngram' or 'suffix', "
+                             f"got {self.method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup sizes must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method == "draft"):
-            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram', 'medusa' and 'eagle'), "
-                             f"got {self.tree_nodes}")
+            raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram', 'medusa', 'eagle' and "
+                             f"'suffix'), got {self.tree_nodes}")
+        if self.method == "suffix" and not self.tree_nodes:
+            raise ValueError("suffix decoding proposes token trees: tree_nodes must be >= 1")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if not 1 <= self.tree_branching <= 8:
             raise ValueError(f"tree_branching must be in [1, 8], got {self.tree_branching}")
         if self.ngram_in_tree and not (self.method == "eagle" and self.tree_nodes):

@@ -22,6 +22,7 @@ from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
 from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
 from engine.prompt_lookup import NgramProposer
+from engine.suffix_proposer import SuffixProposer
 from engine.medusa_proposer import MedusaProposer
 from engine.proposers import DraftModelProposer, EagleProposer, Proposer
 from model import medusa
@@ -210,7 +211,7 @@ class Engine:
         """Drops the engine's bookkeeping of a finished request."""
         del self._states[request.request_id]
         if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+            self.proposer.finish(request)
         if request.parent is not None:
             parent_id = request.parent.request_id
             if all(c.finished for c in self._samples[parent_id]):
@@ -529,6 +530,8 @@ def _proposer(draft, speculation: SpeculationConfig | None, target_config, confi
         speculation = SpeculationConfig(method=draft_kind(draft))
     if speculation.method == "ngram":
         return NgramProposer(speculation)
+    if speculation.method == "suffix":
+        return SuffixProposer(speculation)
     if draft is None or draft_kind(draft) != speculation.method:
         kind = {"eagle": "an EAGLE head", "medusa": "Medusa heads"}.get(speculation.method, "a draft model")
         raise ValueError(f"speculation method {speculation.method!r} needs {kind}")

@@ -22,9 +22,10 @@ flags.DEFINE_enum("matmul", "auto", ["auto", "amx", "avx512", "avx2", "xla"],
                   "model's shapes (cached per machine and model; engine.kernels); amx, avx512, avx2 (the "
                   "native CPU kernels) or xla (XLA's dot) forces one.")
 # Speculative decoding.
-flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "ngram", "off"],
+flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "ngram", "suffix", "off"],
                   "Speculative decoding: eagle = an EAGLE head on the target's features proposes, medusa = "
-                  "Medusa heads fill a token tree, draft = a draft model proposes, ngram = prompt lookup; "
+                  "Medusa heads fill a token tree, draft = a draft model proposes, ngram = prompt lookup, "
+                  "suffix = suffix decoding (the request's own context and earlier outputs of its tenant); "
                   "auto = the proposer shown to pay on the model "
                   "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model, EAGLE head or Medusa heads (bundled name or path); default: the "
@@ -37,6 +38,8 @@ flags.DEFINE_integer("tree_branching", None, "EAGLE-2 trees: children per expand
                      "(1..8; default 4, or auto's).")
 flags.DEFINE_bool("ngram_in_tree", None, "EAGLE-2 trees: the n-gram lookup's chain joins each tree (default: "
                   "auto's, else off).")
+flags.DEFINE_integer("suffix_cache_tokens", None, "Suffix decoding: the most tokens of earlier requests (prompt "
+                     "tails and outputs) kept for proposals, over every tenant (default 65536).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "
                   "--dtype). Default: the model's dtype.")
@@ -97,7 +100,7 @@ def llm_from_flags():
                speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
                num_tree_nodes=FLAGS.num_tree_nodes, tree_branching=FLAGS.tree_branching,
-               ngram_in_tree=FLAGS.ngram_in_tree,
+               ngram_in_tree=FLAGS.ngram_in_tree, suffix_cache_tokens=FLAGS.suffix_cache_tokens,
                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size,

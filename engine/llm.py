@@ -32,7 +32,9 @@ class LLM:
         tokens), "medusa" (Medusa heads on the target's last hidden state fill a
         token tree), "draft" (a draft model proposes), "ngram" (prompt lookup:
         tokens that followed the latest earlier occurrence of the last few
-        tokens), None (off), or "auto": the settings
+        tokens), "suffix" (suffix decoding: token trees of the likeliest
+        continuations in the request's own context and in earlier outputs of
+        its `cache_salt`; `engine.suffix_proposer.SuffixProposer`), None (off), or "auto": the settings
         `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the ones the
         benchmark showed to pay; for SmolLM2 n-gram lookup), or with
         `draft_model` its kind, else off. Settings passed here override auto's.
@@ -40,16 +42,18 @@ class LLM:
         `LoadedModel`); None takes the model's default one.
       num_speculative_tokens: K, the most draft tokens per verify step
         (adaptive speculation lowers it per request class where acceptance is
-        low); None: 4, or auto's.
+        low); None: 4 ("suffix": 8), or auto's.
       num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
         this many nodes (1..31), each path at most K deep ("ngram": the
         continuations of every earlier match, verified in one tree window;
         "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic
-        trees); None: 0, or auto's.
+        trees; "suffix": suffix trees, >= 1); None: 0 ("suffix": 15), or auto's.
       tree_branching: "eagle" trees: children per expanded node and nodes
         expanded per level (1..8); None: 4, or auto's.
       ngram_in_tree: "eagle" trees: the n-gram lookup's chain joins each tree
         (`SpeculationConfig.ngram_in_tree`); None: False, or auto's.
+      suffix_cache_tokens: "suffix": the most tokens of earlier requests the
+        global suffix tries keep (`SpeculationConfig.suffix_cache_tokens`); None: 65536.
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -59,27 +63,32 @@ class LLM:
     def __init__(self, model: str | LoadedModel = DEFAULT_MODEL, *, dtype: str | None = None,
                  speculative: str | None = "auto", draft_model: str | LoadedModel | None = None,
                  num_speculative_tokens: int | None = None, num_tree_nodes: int | None = None,
-                 tree_branching: int | None = None, ngram_in_tree: bool | None = None, **engine_args):
+                 tree_branching: int | None = None, ngram_in_tree: bool | None = None,
+                 suffix_cache_tokens: int | None = None, **engine_args):
         from checkpoints.draft import (AUTO_SPECULATION, DEFAULT_DRAFTS, DEFAULT_EAGLE_HEADS, DEFAULT_MEDUSA_HEADS,
                                        draft_names, load_draft)
 
         loaded = model if isinstance(model, LoadedModel) else load_model(model, dtype=dtype)
         self.tokenizer = loaded.tokenizer
-        if speculative not in ("auto", "eagle", "medusa", "draft", "ngram", None):
-            raise ValueError(f"speculative must be 'auto', 'eagle', 'medusa', 'draft', 'ngram' or None, "
+        if speculative not in ("auto", "eagle", "medusa", "draft", "ngram", "suffix", None):
+            raise ValueError(f"speculative must be 'auto', 'eagle', 'medusa', 'draft', 'ngram', 'suffix' or None, "
                              f"got {speculative!r}")
         defaults = {"eagle": DEFAULT_EAGLE_HEADS, "medusa": DEFAULT_MEDUSA_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
-        settings = {"num_speculative_tokens": 4, "num_tree_nodes": 0, "tree_branching": 4, "ngram_in_tree": False}
+        settings = {"num_speculative_tokens": 4, "num_tree_nodes": 0, "tree_branching": 4, "ngram_in_tree": False,
+                    "suffix_cache_tokens": 65536}
         if speculative == "auto" and not given:
             auto = dict(AUTO_SPECULATION.get(model, {})) if isinstance(model, str) else {}
             kind = auto.pop("speculative", None)
-            bundled = kind == "ngram" or (kind in defaults and defaults[kind].get(model) in draft_names())
+            bundled = kind in ("ngram", "suffix") or (kind in defaults and defaults[kind].get(model) in draft_names())
             speculative = kind if bundled else None
             if bundled:
                 settings.update(auto)
+        elif speculative == "suffix":
+            settings.update(num_speculative_tokens=8, num_tree_nodes=15)
         asked = {"num_speculative_tokens": num_speculative_tokens, "num_tree_nodes": num_tree_nodes,
-                 "tree_branching": tree_branching, "ngram_in_tree": ngram_in_tree}
+                 "tree_branching": tree_branching, "ngram_in_tree": ngram_in_tree,
+                 "suffix_cache_tokens": suffix_cache_tokens}
         settings.update({name: value for name, value in asked.items() if value is not None})
         draft = None
         if speculative in defaults or given:
@@ -97,7 +106,8 @@ class LLM:
             speculation = SpeculationConfig(settings["num_speculative_tokens"], method=speculative,
                                             tree_nodes=settings["num_tree_nodes"],
                                             tree_branching=settings["tree_branching"],
-                                            ngram_in_tree=settings["ngram_in_tree"])
+                                            ngram_in_tree=settings["ngram_in_tree"],
+                                            suffix_cache_tokens=settings["suffix_cache_tokens"])
         self.engine = Engine(loaded, EngineConfig(**engine_args), draft=draft, speculation=speculation)
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -5,6 +5,8 @@ Sources: Saxena 2023, *Prompt Lookup Decoding*, and vLLM's n-gram speculator.
 
 from __future__ import annotations
 
+from typing import Hashable
+
 import numpy as np
 
 from engine.adaptive import SpeculationConfig
@@ -39,10 +41,14 @@ class NgramProposer(Proposer):
 
     def __init__(self, config: SpeculationConfig):
         super().__init__(config)
-        self._contexts = Contexts(config.prompt_lookup_max, config.prompt_lookup_min)
+        self._contexts = self._new_contexts()
         self._proposed: dict[str, list[int]] = {}  # request id -> its latest lookup's proposal
-        self._matched: dict[str, int] = {}  # request id -> the n-gram size that lookup matched
+        self._matched: dict[str, Hashable] = {}  # request id -> what its latest lookup matched (`_lookup`)
         self._parents: dict[str, list[int]] = {}  # request id -> its latest tree's node parents
+
+    def _new_contexts(self):
+        """Each request's lookup structure, kept as its tokens arrive."""
+        return Contexts(self.config.prompt_lookup_max, self.config.prompt_lookup_min)
 
     def policy_k(self, request: Request, step: int) -> int:
         """K capped by the request's own `num_speculative_tokens`: which proposals run is the cost gate's
@@ -54,19 +60,22 @@ class NgramProposer(Proposer):
     def wanted(self, request: Request, step: int) -> int:
         """The lookup's proposal length (at most the policy's K); the proposal is kept for `proposals`."""
         k = self.policy_k(request, step)
-        c = self.config
-        if not k:
-            tokens, n = [], 0
-        elif c.tree_nodes:
-            tokens, self._parents[request.request_id], n = self._contexts.index(request).lookup_tree(
-                request.sampling.num_tree_nodes or c.tree_nodes, k)
-        else:
-            tokens, n = self._contexts.index(request).lookup(k)
-        self._proposed[request.request_id], self._matched[request.request_id] = tokens, n
+        rid = request.request_id
+        tokens, self._parents[rid], self._matched[rid] = self._lookup(request, k) if k else ([], [], 0)
+        self._proposed[rid] = tokens
         return len(tokens)
 
-    def acceptance_key(self, request: Request) -> tuple[str, int]:
-        """Acceptance is estimated per class and matched n-gram size: a longer match is a surer proposal."""
+    def _lookup(self, request: Request, k: int) -> tuple[list[int], list[int], Hashable]:
+        """(tokens, parents, match): `request`'s proposal, at most `k` deep (a chain's parents are ignored),
+        and what acceptance is estimated per besides the class (here the matched n-gram size)."""
+        index = self._contexts.index(request)
+        if self.config.tree_nodes:
+            return index.lookup_tree(request.sampling.num_tree_nodes or self.config.tree_nodes, k)
+        tokens, n = index.lookup(k)
+        return tokens, [], n
+
+    def acceptance_key(self, request: Request) -> tuple[str, Hashable]:
+        """Acceptance is estimated per class and match (`_lookup`): a longer match is a surer proposal."""
         return request.request_class, self._matched.get(request.request_id, 0)
 
     def proposals(self, plan: StepPlan) -> dict[str, list[int]]:

@@ -339,6 +339,10 @@ class Proposer:
         """The samples of an n > 1 request start from its state."""
         self.forget(parent.request_id)
 
+    def finish(self, request: Request) -> None:
+        """`request` finished or was aborted: its state is dropped."""
+        self.forget(request.request_id)
+
     def forget(self, request_id: str) -> None:
         self.policy.forget(request_id)
         self._drafts.pop(request_id, None)

@@ -1,0 +1,257 @@
+"""Suffix decoding proposals on the host: pure Python, no jax.
+
+Source: Oliaro et al. 2025, *SuffixDecoding: Extreme Speculative Decoding for Emerging AI Applications*
+(NeurIPS 2025, arXiv 2411.04975), §3: a suffix tree over earlier outputs (global) and one over the
+request's own prompt and output (local); the longest match of the context's last tokens picks a node, and
+the proposal is the tree of its most frequent continuations, grown best-first by their empirical
+probability, at most `max_spec_factor` x the match length deep. Here each structure is a suffix trie cut at
+`max_depth` tokens (every substring of at most that many tokens, with its count), which is what a lookup of
+matches up to `max_depth - 1` tokens needs. The engine's `SuffixProposer` (`engine/suffix_proposer.py`)
+uses it.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+from typing import Hashable, Sequence
+
+
+class SuffixTrie:
+    """Every substring of at most `max_depth` tokens of the sequences added, with its number of occurrences.
+
+    Node 0 is the root; node n's string is the tokens on the path to it and `count(n)` the number of
+    (sequence, start) pairs whose tokens begin with it. A sequence of L tokens adds up to L * max_depth
+    nodes (fewer where substrings repeat); `remove` takes back exactly what `add` put in, so the trie
+    after a removal is the trie of the sequences left.
+
+    Args:
+      max_depth: the longest substring kept (>= 2: a match of d tokens needs depth d + 1 for a continuation).
+    """
+
+    def __init__(self, max_depth: int):
+        if max_depth < 2:
+            raise ValueError(f"max_depth must be >= 2, got {max_depth}")
+        self.max_depth = max_depth
+        self._children: list[dict[int, int] | None] = [None]  # node -> {token: child}, None for a leaf
+        self._count: list[int] = [0]
+        self._free: list[int] = []  # ids of removed nodes, reused
+        self.num_nodes = 1  # live nodes, the root included
+
+    def count(self, node: int) -> int:
+        return self._count[node]
+
+    def _step(self, node: int, token: int) -> int:
+        """The child of `node` for `token` (created if missing), its count raised by one."""
+        kids = self._children[node]
+        if kids is None:
+            kids = self._children[node] = {}
+        child = kids.get(token)
+        if child is None:
+            if self._free:
+                child = self._free.pop()
+                self._children[child], self._count[child] = None, 0
+            else:
+                child = len(self._count)
+                self._children.append(None)
+                self._count.append(0)
+            kids[token] = child
+            self.num_nodes += 1
+        self._count[child] += 1
+        return child
+
+    def extend(self, active: list[int], tokens: Sequence[int]) -> list[int]:
+        """Appends `tokens` to a sequence being added piece by piece.
+
+        Args:
+          active: the nodes of the sequence's last `max_depth - 1` (or fewer) suffixes, longest first, as
+            the previous call returned them ([] for a new sequence).
+          tokens: ints to append.
+        Returns:
+          the new `active` list (pass it to the next call).
+        """
+        top = self.max_depth - 1
+        for t in tokens:
+            t = int(t)
+            active = [self._step(n, t) for n in active[-top:]]
+            active.append(self._step(0, t))
+        return active[-top:]
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Adds a whole sequence."""
+        self.extend([], tokens)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Takes back a sequence that `add` put in (the same tokens); nodes left with no occurrence are freed."""
+        tokens = [int(t) for t in tokens]
+        for start in range(len(tokens)):
+            node = 0
+            for t in tokens[start:start + self.max_depth]:
+                parent, node = node, self._children[node][t]
+                self._count[node] -= 1
+                if self._count[node] == 0:  # no other occurrence: nor of anything below it
+                    del self._children[parent][t]
+                    self._free_subtree(node)
+                    break
+
+    def _free_subtree(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend((self._children[n] or {}).values())
+            self._children[n], self._count[n] = None, 0
+            self._free.append(n)
+            self.num_nodes -= 1
+
+    def _walk(self, tokens: Sequence[int]) -> int | None:
+        node = 0
+        for t in tokens:
+            kids = self._children[node]
+            node = kids.get(t) if kids else None
+            if node is None:
+                return None
+        return node
+
+    def match(self, context: Sequence[int], max_len: int) -> tuple[int, int]:
+        """The longest suffix of `context` (at most `max_len` < `max_depth` tokens) that occurred with a
+        continuation: a match of d tokens leaves room for `max_depth - d` tokens of continuation.
+
+        Having a continuation is monotone in the suffix's length (a continuation of the last d tokens is one
+        of the last d - 1 too), so the length is found by bisection.
+        Returns:
+          (node, d): the suffix's node and its length d; (0, 0) when not even the last token occurred
+          followed by something.
+        """
+        lo, hi, best = 1, min(max_len, self.max_depth - 1, len(context)), (0, 0)
+        while lo <= hi:
+            d = (lo + hi) // 2
+            node = self._walk(context[len(context) - d:])
+            if node is not None and self._children[node]:
+                best, lo = (node, d), d + 1
+            else:
+                hi = d - 1
+        return best
+
+    def candidates(self, node: int, max_nodes: int, max_depth: int,
+                   min_prob: float) -> tuple[list[int], list[int], list[float]]:
+        """The token tree of `node`'s likeliest continuations, grown best-first (SuffixDecoding §3.2).
+
+        A continuation's probability is the product, along its path, of each token's share of its parent's
+        continuations (counts); nodes are taken in descending probability (ties: trie order), so a parent
+        precedes its children and a tree cut to its first n nodes holds the n likeliest.
+        Args:
+          node: the matched node (`match`).
+          max_nodes: most nodes below the root.
+          max_depth: most tokens along a path.
+          min_prob: continuations below this probability are left out.
+        Returns:
+          (tokens, parents, probs): node i + 1 holds `tokens[i]` under node `parents[i]` (0 is the root),
+          with probability `probs[i]`.
+        """
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []
+        heap: list = []
+        order = 0
+
+        def push(at: int, index: int, prob: float, depth: int):
+            nonlocal order
+            kids = self._children[at]
+            if not kids or depth >= max_depth:
+                return
+            total = sum(self._count[c] for c in kids.values())
+            for token, child in kids.items():
+                p = prob * self._count[child] / total
+                if p >= min_prob:
+                    heapq.heappush(heap, (-p, order, token, child, index, depth + 1))
+                    order += 1
+
+        push(node, 0, 1.0, 0)
+        while heap and len(tokens) < max_nodes:
+            p, _, token, child, parent, depth = heapq.heappop(heap)
+            tokens.append(token)
+            parents.append(parent)
+            probs.append(-p)
+            push(child, len(tokens), -p, depth)
+        return tokens, parents, probs
+
+
+class SuffixCache:
+    """Earlier outputs, one `SuffixTrie` per scope (a tenant and its cache salt), at most `max_tokens` in all.
+
+    Requests are kept whole, oldest added evicted first (their sequences removed from their trie) once the
+    tokens kept exceed `max_tokens`; a scope whose last sequence left drops its trie. Each trie holds at most
+    `max_tokens * max_depth` nodes.
+
+    Args:
+      max_depth: each trie's `max_depth`.
+      max_tokens: most tokens kept over every scope (0: nothing is kept).
+    """
+
+    def __init__(self, max_depth: int, max_tokens: int):
+        self.max_depth, self.max_tokens = max_depth, max_tokens
+        self._tries: dict[Hashable, SuffixTrie] = {}
+        self._entries: collections.OrderedDict[int, tuple[Hashable, list[int]]] = collections.OrderedDict()
+        self._added = 0  # sequences added so far: the next one's key
+        self.num_tokens = 0
+
+    def trie(self, scope: Hashable) -> SuffixTrie | None:
+        return self._tries.get(scope)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(t.num_nodes for t in self._tries.values())
+
+    def add(self, scope: Hashable, tokens: Sequence[int]) -> None:
+        """Keeps one request's `tokens` in `scope`'s trie; a sequence longer than the cache keeps its last
+        `max_tokens`."""
+        tokens = [int(t) for t in tokens[max(0, len(tokens) - self.max_tokens):]] if self.max_tokens else []
+        if not tokens:
+            return
+        self._tries.setdefault(scope, SuffixTrie(self.max_depth)).add(tokens)
+        self._entries[self._added] = (scope, tokens)
+        self._added += 1
+        self.num_tokens += len(tokens)
+        while self.num_tokens > self.max_tokens:
+            _, (old_scope, old) = self._entries.popitem(last=False)
+            trie = self._tries[old_scope]
+            trie.remove(old)
+            self.num_tokens -= len(old)
+            if trie.num_nodes == 1:
+                del self._tries[old_scope]
+
+
+class RequestSuffix:
+    """One request's local `SuffixTrie` over its context (prompt + output so far) and the context's tail."""
+
+    def __init__(self, max_depth: int):
+        self.trie = SuffixTrie(max_depth)
+        self.tail: list[int] = []  # the context's last max_depth - 1 tokens: what a match is looked up for
+        self.num_tokens = 0
+        self._active: list[int] = []
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._active = self.trie.extend(self._active, tokens)
+        self.tail = (self.tail + [int(t) for t in tokens])[-(self.trie.max_depth - 1):]
+        self.num_tokens += len(tokens)
+
+
+class SuffixContexts:
+    """Each request's `RequestSuffix`, extended with only what is new since the last call."""
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self._requests: dict[str, RequestSuffix] = {}
+
+    def index(self, request) -> RequestSuffix:
+        """`request`'s local suffix trie (a `scheduler.request.Request`), holding all its known tokens."""
+        local = self._requests.get(request.request_id)
+        total = request.num_known_tokens
+        if local is None or total < local.num_tokens:
+            local = self._requests[request.request_id] = RequestSuffix(self.max_depth)
+        if total > local.num_tokens:
+            local.extend(request.token_ids(local.num_tokens, total))
+        return local
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
