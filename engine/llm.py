@@ -53,7 +53,7 @@ class LLM:
       ngram_in_tree: "eagle" trees: the n-gram lookup's chain joins each tree
         (`SpeculationConfig.ngram_in_tree`); None: False, or auto's.
       suffix_cache_tokens: "suffix": the most tokens of earlier requests the
-        global suffix tries keep (`SpeculationConfig.suffix_cache_tokens`); None: 65536.
+        global suffix tries keep (`SpeculationConfig.suffix_cache_tokens`); None: 16384.
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -76,7 +76,7 @@ class LLM:
         defaults = {"eagle": DEFAULT_EAGLE_HEADS, "medusa": DEFAULT_MEDUSA_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
         settings = {"num_speculative_tokens": 4, "num_tree_nodes": 0, "tree_branching": 4, "ngram_in_tree": False,
-                    "suffix_cache_tokens": 65536}
+                    "suffix_cache_tokens": 16384}
         if speculative == "auto" and not given:
             auto = dict(AUTO_SPECULATION.get(model, {})) if isinstance(model, str) else {}
             kind = auto.pop("speculative", None)

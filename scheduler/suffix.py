@@ -41,24 +41,16 @@ class SuffixTrie:
     def count(self, node: int) -> int:
         return self._count[node]
 
-    def _step(self, node: int, token: int) -> int:
-        """The child of `node` for `token` (created if missing), its count raised by one."""
-        kids = self._children[node]
-        if kids is None:
-            kids = self._children[node] = {}
-        child = kids.get(token)
-        if child is None:
-            if self._free:
-                child = self._free.pop()
-                self._children[child], self._count[child] = None, 0
-            else:
-                child = len(self._count)
-                self._children.append(None)
-                self._count.append(0)
-            kids[token] = child
-            self.num_nodes += 1
-        self._count[child] += 1
-        return child
+    def _new_node(self) -> int:
+        if self._free:
+            node = self._free.pop()
+            self._children[node], self._count[node] = None, 0
+        else:
+            node = len(self._count)
+            self._children.append(None)
+            self._count.append(0)
+        self.num_nodes += 1
+        return node
 
     def extend(self, active: list[int], tokens: Sequence[int]) -> list[int]:
         """Appends `tokens` to a sequence being added piece by piece.
@@ -71,10 +63,21 @@ class SuffixTrie:
           the new `active` list (pass it to the next call).
         """
         top = self.max_depth - 1
+        children, count = self._children, self._count
         for t in tokens:
             t = int(t)
-            active = [self._step(n, t) for n in active[-top:]]
-            active.append(self._step(0, t))
+            nodes = active[-top:]
+            nodes.append(0)
+            active = []
+            for n in nodes:  # each suffix, and the root, steps to its child for t (made if missing)
+                kids = children[n]
+                if kids is None:
+                    kids = children[n] = {}
+                child = kids.get(t)
+                if child is None:
+                    child = kids[t] = self._new_node()
+                count[child] += 1
+                active.append(child)
         return active[-top:]
 
     def add(self, tokens: Sequence[int]) -> None:
