@@ -8,7 +8,7 @@ Workloads, each request alone (greedy, `ignore_eos`), decode timed from its firs
   earlier outputs.
 * refine: self-refinement, 3 chat prompts and 1 code prompt: the answer (round 0), then 3 rounds of "revise
   your answer" with the previous answer in the conversation (rounds 1-3, each its own row).
-* json: one JSON-extraction instruction over 10 summarization documents, in turn (all timed: the global trie
+* json: one JSON-extraction instruction after each of 10 summarization documents, in turn (all timed: the global trie
   learns the format as the pipeline runs).
 * chat, code, summarization: 4 prompts each never sent before (ordinary traffic, where suffix decoding must
   not lose).
@@ -44,8 +44,9 @@ flags.DEFINE_integer("max_tokens", 64, "Tokens per request.")
 flags.DEFINE_string("worker", None, "Internal: run one --configs entry, print its figures.")
 
 REVISE = "Revise your answer: make it clearer and more concise, and keep everything that was correct."
-JSON_TASK = ("Extract the key facts of the article below as a JSON object with the keys \"topic\", \"people\", "
-             "\"organizations\", \"places\" and \"summary\". Answer with the JSON object only.\n\n{document}")
+# The instruction after the document: SmolLM2-135M follows a format shown last, and answers prose otherwise.
+JSON_TASK = ("{document}\n\nExtract the key facts of the article above as JSON. Answer with JSON only, in this "
+             "format:\n{{\"topic\": \"...\", \"people\": [\"...\"], \"places\": [\"...\"], \"summary\": \"...\"}}")
 
 
 def _workloads():
