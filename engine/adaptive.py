@@ -43,7 +43,7 @@ class SpeculationConfig:
       longest first.
     method: the proposer, "draft" (a draft model), "eagle" (an EAGLE head),
       "medusa" (Medusa heads), "ngram" (prompt lookup) or "suffix" (suffix
-      decoding: `engine.suffix_proposer.SuffixProposer`; token trees only).
+      decoding: `engine.suffix_proposer.SuffixProposer`).
     tree_nodes: 0 for chains; else proposals are token trees of at most this
       many nodes below the root (<= 31: a tree mask is one int32 word), each
       path at most `num_speculative_tokens` deep. "ngram": the continuations of
@@ -91,8 +91,6 @@ class SpeculationConfig:
         if not 0 <= self.tree_nodes <= 31 or (self.tree_nodes and self.method == "draft"):
             raise ValueError(f"tree_nodes must be in [0, 31] (token trees: methods 'ngram', 'medusa', 'eagle' and "
                              f"'suffix'), got {self.tree_nodes}")
-        if self.method == "suffix" and not self.tree_nodes:
-            raise ValueError("suffix decoding proposes token trees: tree_nodes must be >= 1")
         if self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
         if not 1 <= self.tree_branching <= 8:

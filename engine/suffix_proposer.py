@@ -44,7 +44,7 @@ class SuffixProposer(NgramProposer):
     requests, least recently added first (`SuffixCache`).
 
     Args:
-      config: K (the trees' depth), `tree_nodes` (their size, >= 1), `suffix_cache_tokens`.
+      config: K (the proposals' depth), `tree_nodes` (0: chains, the likeliest path alone), `suffix_cache_tokens`.
     """
 
     kind = "suffix"
@@ -60,6 +60,7 @@ class SuffixProposer(NgramProposer):
         """The likelier tree of the local and the global trie (see the class docstring), and its match:
         (trie, match-length bucket); ([], [], 0) when neither matches."""
         local = self._contexts.index(request)
+        # Chains: the likeliest path, which best-first growth with one node per level gives.
         nodes = request.sampling.num_tree_nodes or self.config.tree_nodes
         best, best_score = ([], [], 0), 0.0
         for name, trie in (("local", local.trie), ("global", self.cache.trie(request.cache_salt))):
@@ -69,7 +70,7 @@ class SuffixProposer(NgramProposer):
             if not length:
                 continue
             depth = min(k, MAX_DEPTH - length, max(1, math.floor(MAX_SPEC_FACTOR * length)))
-            tokens, parents, probs = trie.candidates(node, nodes, depth, MIN_PROB)
+            tokens, parents, probs = trie.candidates(node, nodes or depth, depth, MIN_PROB, chain=not nodes)
             score = sum(probs)
             if score > best_score:
                 best, best_score = (tokens, parents, (name, min(length.bit_length(), 4))), score

@@ -135,8 +135,8 @@ class SuffixTrie:
                 hi = d - 1
         return best
 
-    def candidates(self, node: int, max_nodes: int, max_depth: int,
-                   min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    def candidates(self, node: int, max_nodes: int, max_depth: int, min_prob: float,
+                   chain: bool = False) -> tuple[list[int], list[int], list[float]]:
         """The token tree of `node`'s likeliest continuations, grown best-first (SuffixDecoding §3.2).
 
         A continuation's probability is the product, along its path, of each token's share of its parent's
@@ -147,6 +147,7 @@ class SuffixTrie:
           max_nodes: most nodes below the root.
           max_depth: most tokens along a path.
           min_prob: continuations below this probability are left out.
+          chain: only the likeliest child of each node: the likeliest path.
         Returns:
           (tokens, parents, probs): node i + 1 holds `tokens[i]` under node `parents[i]` (0 is the root),
           with probability `probs[i]`.
@@ -163,6 +164,9 @@ class SuffixTrie:
             if not kids or depth >= max_depth:
                 return
             total = sum(self._count[c] for c in kids.values())
+            if chain:  # the first of the likeliest children, as the heap would order them
+                best = max(kids.values(), key=self._count.__getitem__)
+                kids = {t: c for t, c in kids.items() if c == best}
             for token, child in kids.items():
                 p = prob * self._count[child] / total
                 if p >= min_prob:

@@ -105,6 +105,20 @@ def test_ngram_speculation_greedy_equals_plain(llm, plain_tokens, max_num_seqs, 
     assert sum(o.num_accepted_tokens for o in outs) > 0
 
 
+def test_suffix_speculation_greedy_equals_plain_and_copies_earlier_answers(plain_tokens):
+    """Suffix decoding keeps greedy output on 20 real prompts 8 at a time (chunked prefill, the prefix cache on),
+    and sent again, the same prompts find their answers in the global trie: at most a third of the target steps
+    (the cost gate off, as above)."""
+    prompts = _chat_prompts(20)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    suffix = LLM(speculative="suffix", max_num_seqs=8, max_num_batched_tokens=256)
+    suffix.engine.proposer.config.min_acceptance = 0.0
+    first, again = (suffix.generate(prompts, sp) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == plain_tokens
+    steps = [sum(o.num_target_steps for o in outs) for outs in (first, again)]
+    assert steps[1] * 3 <= steps[0], steps
+
+
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
 def test_eagle_trees_greedy_equal_plain(plain_tokens, max_num_seqs):
     """The bundled EAGLE head's EAGLE-2 dynamic trees of 12 nodes keep greedy output on 20 real prompts, one at a
