@@ -80,6 +80,8 @@ flags.DEFINE_integer("skip", 0, "Skip this many prompts of the split at the star
 flags.DEFINE_enum("split", "held_out", ["held_out", "train"], "Which split of each file's prompts (training/data.py).")
 flags.DEFINE_integer("timed_passes", 3, "Default-settings table: timed passes per cell in each process (their "
                      "median).")
+flags.DEFINE_bool("fresh_prompts", False, "Default-settings table: each pass of a cell sends prompts no earlier "
+                  "pass sent (for proposers that remember earlier outputs, such as suffix decoding).")
 flags.DEFINE_integer("rounds", 1, "Each cell decodes this many disjoint groups of `batch` prompts, one group after "
                      "another, and reports the mean of their figures (batch 1 with one prompt is one sample).")
 flags.DEFINE_string("draft", None, "Draft: a directory or a bundled name (default: the model's bundled draft).")
@@ -253,18 +255,24 @@ def _worker(config: str) -> dict:
     out = {}
     for domain in FLAGS.domains:
         for b in (int(b) for b in FLAGS.batch_sizes):
-            prompts = _prompts(llm.tokenizer, domain, b)
+            # --fresh_prompts: every pass sends prompts no earlier pass sent (a server's traffic, for proposers
+            # that remember earlier outputs), the timed passes the split's first ones (the same in every
+            # configuration, whatever the untimed passes took); else every pass sends the same prompts.
+            fresh = FLAGS.fresh_prompts
+            untimed = iter(range(FLAGS.timed_passes, 1_000))
             # Untimed passes until one compiles nothing (at least two: the gate learns the class; the shapes
             # its choices take, prefix-cache hits included, compile), then the timed ones.
             for i in range(6):
                 compiled = compilation_count()
-                _decode(llm, prompts, request_class=domain)
+                _decode(llm, _prompts(llm.tokenizer, domain, b, next(untimed) * b if fresh else 0),
+                        request_class=domain)
                 if i and compilation_count() == compiled:
                     break
             # The median of several timed passes: one 64-step pass is a fraction of a second on a shared machine.
-            runs = sorted((_decode(llm, prompts, request_class=domain, timed=True) for _ in range(FLAGS.timed_passes)),
-                          key=lambda run: run[0])
-            tps, _, per_step, alpha, tokens, _, _, _ = runs[len(runs) // 2]
+            runs = [_decode(llm, _prompts(llm.tokenizer, domain, b, j * b if fresh else 0), request_class=domain,
+                            timed=True) for j in range(FLAGS.timed_passes)]
+            tps, _, per_step, alpha, _, _, _, _ = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+            tokens = [t for run in runs for t in run[4]] if fresh else runs[0][4]
             out[f"{domain} {b}"] = {"tps": tps, "per_step": per_step, "alpha": alpha, "tokens": tokens}
             print(f"{config} {domain} {b}: {tps:.1f} tok/s, {per_step:.2f} tokens/step", file=sys.stderr, flush=True)
     return out
