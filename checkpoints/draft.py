@@ -62,8 +62,8 @@ DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
 # `{"speculative": "eagle", "num_tree_nodes": 7, "ngram_in_tree": True}`) take 20-24 ms a step there (0.50-0.63x
 # forced at batch 1), and their step programs do not fit the server's compile and memory-map budget yet.
 # Suffix decoding ({"speculative": "suffix"}) is 1.1-2.5x n-gram's speed where requests repeat earlier outputs
-# and within noise of it on prompts never seen, at batch 1 (RESULTS.md session 10); not the default until batch
-# 4 and 16 are measured on fresh prompts.
+# and within noise of it on prompts never seen at batch 1, 4 and 16 but for code at batch 16 (0.94x: its lookups'
+# host time in steps that draft nothing; RESULTS.md session 10), so it is opted into, not the default.
 AUTO_SPECULATION: dict[str, dict] = {DEFAULT_MODEL: {"speculative": "ngram"}}
 PROJECTION = "embed_projection"
 HEAD_IDS = "head_ids"
