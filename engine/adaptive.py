@@ -71,7 +71,7 @@ class SpeculationConfig:
     tree_nodes: int = 0
     tree_branching: int = 4
     ngram_in_tree: bool = False
-    suffix_cache_tokens: int = 16384
+    suffix_cache_tokens: int = 65536
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -39,7 +39,7 @@ flags.DEFINE_integer("tree_branching", None, "EAGLE-2 trees: children per expand
 flags.DEFINE_bool("ngram_in_tree", None, "EAGLE-2 trees: the n-gram lookup's chain joins each tree (default: "
                   "auto's, else off).")
 flags.DEFINE_integer("suffix_cache_tokens", None, "Suffix decoding: the most tokens of earlier requests (prompt "
-                     "tails and outputs) kept for proposals, over every tenant (default 16384).")
+                     "tails and outputs) kept for proposals, over every tenant (default 65536).")
 flags.DEFINE_enum("kernel_dtype", None, ["float32", "bfloat16", "int8"],
                   "The weights the CPU kernel streams for the target; bfloat16 halves them (activations keep "
                   "--dtype). Default: the model's dtype.")

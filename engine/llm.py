@@ -47,13 +47,14 @@ class LLM:
         this many nodes (1..31), each path at most K deep ("ngram": the
         continuations of every earlier match, verified in one tree window;
         "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic
-        trees; "suffix": suffix trees, >= 1); None: 0 ("suffix": 15), or auto's.
+        trees; "suffix": the likeliest continuations, 0 the likeliest path); None: 0 ("suffix": 15), or
+        auto's.
       tree_branching: "eagle" trees: children per expanded node and nodes
         expanded per level (1..8); None: 4, or auto's.
       ngram_in_tree: "eagle" trees: the n-gram lookup's chain joins each tree
         (`SpeculationConfig.ngram_in_tree`); None: False, or auto's.
       suffix_cache_tokens: "suffix": the most tokens of earlier requests the
-        global suffix tries keep (`SpeculationConfig.suffix_cache_tokens`); None: 16384.
+        global suffix tries keep (`SpeculationConfig.suffix_cache_tokens`); None: 65536.
       **engine_args: fields of `EngineConfig` (block_size, max_num_seqs, ...).
     Raises:
       ValueError: unknown model name or path, bad engine arguments, a draft
@@ -76,7 +77,7 @@ class LLM:
         defaults = {"eagle": DEFAULT_EAGLE_HEADS, "medusa": DEFAULT_MEDUSA_HEADS, "draft": DEFAULT_DRAFTS}
         given = draft_model is not None and speculative == "auto"  # its kind decides below
         settings = {"num_speculative_tokens": 4, "num_tree_nodes": 0, "tree_branching": 4, "ngram_in_tree": False,
-                    "suffix_cache_tokens": 16384}
+                    "suffix_cache_tokens": 65536}
         if speculative == "auto" and not given:
             auto = dict(AUTO_SPECULATION.get(model, {})) if isinstance(model, str) else {}
             kind = auto.pop("speculative", None)

@@ -33,8 +33,9 @@ class SuffixProposer(NgramProposer):
     (the server salts with the tenant: one tenant's outputs never shape another's proposals or speed). In
     each, the longest suffix of the context (up to `MAX_MATCH` tokens) with a continuation picks a node,
     and the tree of its continuations grows best-first by empirical probability (`SuffixTrie.candidates`),
-    at most `MAX_SPEC_FACTOR` x the match length, `MAX_DEPTH` - the match length and K deep, at most the tree budget wide; the tree whose
-    probabilities sum higher (the more tokens it expects accepted) is proposed. Its tokens are one-hot
+    at most `MAX_SPEC_FACTOR` x the match length, `MAX_DEPTH` - the match length and K deep, at most the
+    tree budget wide (with `tree_nodes` 0: the likeliest path); the tree whose probabilities sum higher
+    (the more tokens it expects accepted) is proposed. Its tokens are one-hot
     proposals, verified like n-gram trees by the coupled tree verify, so the output is the target's
     whatever is proposed (`output_independent`). Acceptance is estimated per class, trie and match length
     (1, 2-3, 4-7, 8 tokens), so the cost gate learns which matches pay and declines the rest: a short
@@ -60,7 +61,6 @@ class SuffixProposer(NgramProposer):
         """The likelier tree of the local and the global trie (see the class docstring), and its match:
         (trie, match-length bucket); ([], [], 0) when neither matches."""
         local = self._contexts.index(request)
-        # Chains: the likeliest path, which best-first growth with one node per level gives.
         nodes = request.sampling.num_tree_nodes or self.config.tree_nodes
         best, best_score = ([], [], 0), 0.0
         for name, trie in (("local", local.trie), ("global", self.cache.trie(request.cache_salt))):

@@ -36,7 +36,7 @@ def _contents(trie):
     out, stack = {}, [(0, ())]
     while stack:
         node, path = stack.pop()
-        for token, child in (trie._children[node] or {}).items():
+        for token, child in trie.children(node):
             out[path + (token,)] = trie.count(child)
             stack.append((child, path + (token,)))
     return out
