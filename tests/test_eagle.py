@@ -108,7 +108,7 @@ def test_tree_shape_and_bad_tree_settings():
 
     with pytest.raises(ValueError, match="tree_branching must be in"):
         dataclasses.replace(TREES, tree_branching=0)
-    with pytest.raises(ValueError, match="token trees: methods 'ngram', 'medusa' and 'eagle'"):
+    with pytest.raises(ValueError, match="token trees: methods 'ngram', 'medusa', 'eagle' and 'suffix'"):
         dataclasses.replace(TREES, method="draft")
 
     # (top-k, levels): expanded nodes (levels - 1) x top-k fit in the K window slots; depth <= K and the cap
