@@ -115,6 +115,26 @@ def test_request_id_label_has_a_length_limit(server):
         assert c.generate("hi", max_tokens=2, request_id="x" * 256).request_id == "x" * 256
 
 
+def test_tenants_do_not_share_what_suffix_decoding_learned():
+    """Finding 2's side channel in a proposer that learns from outputs: alice's repeated request is proposed her
+    first answer (a fraction of the steps), bob's first request of the same prompt takes exactly the steps of a
+    request nothing was learned for (every proposal verified, so steps depend on the proposals alone)."""
+    llm = LLM("tiny-llama", speculative="suffix", **LIMITS)
+    llm.engine.proposer.config.min_acceptance = 0.0
+    s = ServerThread(llm, tenants=Tenants(TOKENS))
+    try:
+        prompt, kw = list(range(200, 230)), dict(temperature=0, max_tokens=24, ignore_eos=True)
+        with Client(s.target, auth_token="token-a") as alice, Client(s.target, auth_token="token-b") as bob:
+            first, again, other = (len(list(c.generate_stream(prompt, **kw))) for c in (alice, alice, bob))
+        assert again * 2 <= first and other == first, (first, again, other)
+        metrics = s.server.metrics
+        metrics.record_engine_state(llm.engine)
+        # Each request's prompt tail (8 tokens) and its 24 generated ones.
+        assert metrics.registry.get_sample_value("engine_spec_suffix_cache_tokens") == 3 * (8 + 24)
+    finally:
+        s.stop()
+
+
 def test_tenants_do_not_share_the_prefix_cache(server):
     """Finding 2: another tenant's prompt must give no cache hit (nor a faster first token); the same tenant's does."""
     kw = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}

@@ -114,6 +114,9 @@ class Metrics:
             "(its share of each step's time, decayed over its recent steps) with the proposer drafting, and "
             "off: what the cost gate's regret account weighs (engine.adaptive.DraftRegret).",
             ["request_class", "proposer"], registry=r)
+        self.suffix_cache_tokens = prom.Gauge(
+            "engine_spec_suffix_cache_tokens", "Suffix decoding: tokens of earlier requests its global tries keep "
+            "(at most --suffix_cache_tokens, over every tenant).", registry=r)
         self.class_proposer = prom.Gauge(
             "engine_spec_class_proposer", "Per request class: 1 for what its latest decode step ran (the "
             "proposer, or off), 0 for the other.", ["request_class", "proposer"], registry=r)
@@ -152,6 +155,9 @@ class Metrics:
             for i, rate in enumerate(stats.position_acceptance):
                 self.position_acceptance.labels(str(i)).set(rate)
         proposer = engine.proposer
+        cache = getattr(proposer, "cache", None)  # suffix decoding's memory of earlier outputs
+        if cache is not None:
+            self.suffix_cache_tokens.set(cache.num_tokens)
         if proposer is not None:
             for (name, drafted), rate in proposer.regret.tokens_per_second().items():
                 self.class_tokens_per_second.labels(name, proposer.kind if drafted else "off").set(rate)
