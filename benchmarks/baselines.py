@@ -1,9 +1,13 @@
-"""Pieces the benchmarks share: the real prompts' folder and the Hugging Face transformers baseline."""
+"""Pieces the benchmarks share: the real prompts' folder, worker processes and their medians, and the Hugging
+Face transformers baseline."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import subprocess
+import sys
 
 from absl import flags
 
@@ -12,6 +16,23 @@ from benchmarks import prompts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 flags.DEFINE_string("prompts_dir", prompts.default_dir(),
                     "Folder of the prompt files (<domain>.jsonl), built by `python -m benchmarks.prompts`.")
+
+
+def spawn_worker(script: str, args: list[str]) -> dict:
+    """Runs `python script *args` (a benchmark's worker) in a process of its own and returns the JSON it printed
+    after `RESULT ` last. Raises RuntimeError, with the tail of its stderr, if it failed."""
+    done = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{os.path.basename(script)} {' '.join(args[-1:])} failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def spread(values: list[float], spec: str = ".1f") -> str:
+    """The median of `values` with their range: "median (min-max)", or the value alone."""
+    med = statistics.median(values)
+    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
 
 
 def prompts_dir() -> str:

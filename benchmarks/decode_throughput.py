@@ -51,7 +51,7 @@ if ROOT not in sys.path:
 from absl import app, flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.baselines import hf_batch, hf_setup, read_prompts  # noqa: E402
+from benchmarks.baselines import hf_batch, hf_setup, read_prompts, spread  # noqa: E402
 
 FLAGS = flags.FLAGS
 PROGRAMS = ["engine", "engine-panels", "engine-bf16", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q4_1",
@@ -275,11 +275,6 @@ def spawn(name: str, inputs_path: str) -> dict | None:
         log(f"  {name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         return None
     return json.loads(lines[-1][len("RESULT "):])
-
-
-def spread(values: list[float], spec: str = ".1f") -> str:
-    med = statistics.median(values)
-    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
 
 
 def agreement(a: list[int], b: list[int]) -> int:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -61,7 +60,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.baselines import read_prompts  # noqa: E402  (defines --prompts_dir)
+from benchmarks.baselines import read_prompts, spawn_worker, spread  # noqa: E402  (defines --prompts_dir)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("domains", ["chat", "code", "math", "creative", "summarization", "long_context"],
@@ -279,17 +278,7 @@ def _worker(config: str) -> dict:
 
 
 def _spawn(config: str) -> dict:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--worker={config}"],
-                          capture_output=True, text=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def _spread(values: list[float], spec: str) -> str:
-    med = statistics.median(values)
-    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
+    return spawn_worker(__file__, [*sys.argv[1:], f"--worker={config}"])
 
 
 def _defaults_table() -> None:
@@ -314,8 +303,8 @@ def _defaults_table() -> None:
                 for c in configs[1:]:
                     for got, want in zip(runs[c], runs[base]):
                         _check_greedy(got[cell]["tokens"], want[cell]["tokens"])
-            tps = [_spread([run[cell]["tps"] for run in runs[c]], ".1f") for c in configs]
-            ratios = [_spread([run[cell]["tps"] / ref[cell]["tps"] for run, ref in zip(runs[c], runs[base])], ".2f")
+            tps = [spread([run[cell]["tps"] for run in runs[c]], ".1f") for c in configs]
+            ratios = [spread([run[cell]["tps"] / ref[cell]["tps"] for run, ref in zip(runs[c], runs[base])], ".2f")
                       for c in configs[1:]]
             steps = [f"{statistics.median(run[cell]['per_step'] for run in runs[c]):.2f}" for c in configs[1:]]
             print(f"| {domain} | {b} | " + " | ".join(tps) + " | " + " | ".join(ratios) + " | " + " | ".join(steps)

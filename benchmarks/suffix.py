@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,7 @@ if ROOT not in sys.path:
 
 from absl import app, flags  # noqa: E402
 
-from benchmarks.baselines import read_prompts  # noqa: E402  (defines --prompts_dir)
+from benchmarks.baselines import read_prompts, spawn_worker, spread  # noqa: E402  (defines --prompts_dir)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["off", "auto", "suffix"], "\"off\", \"auto\" (LLM's default) or a `speculative` kind.")
@@ -111,17 +110,7 @@ def _worker(config: str) -> dict:
 
 
 def _spawn(config: str) -> dict:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], f"--worker={config}"],
-                          capture_output=True, text=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def _spread(values: list[float], spec: str) -> str:
-    med = statistics.median(values)
-    return f"{med:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{med:{spec}}"
+    return spawn_worker(__file__, [*sys.argv[1:], f"--worker={config}"])
 
 
 def main(argv):
@@ -150,8 +139,8 @@ def main(argv):
             for got, want in zip(runs[c], runs[base]):
                 if got[row]["tokens"] != want[row]["tokens"]:
                     raise AssertionError(f"{c} {row}: greedy output differs from {base}'s")
-        tps = [_spread([run[row]["tps"] for run in runs[c]], ".1f") for c in configs]
-        ratios = [_spread([run[row]["tps"] / ref[row]["tps"] for run, ref in zip(runs[c], runs[base])], ".2f")
+        tps = [spread([run[row]["tps"] for run in runs[c]], ".1f") for c in configs]
+        ratios = [spread([run[row]["tps"] / ref[row]["tps"] for run, ref in zip(runs[c], runs[base])], ".2f")
                   for c in configs[1:]]
         steps = [f"{statistics.median(run[row]['per_step'] for run in runs[c]):.2f}" for c in configs]
         host = [f"{statistics.median(run[row]['host_ms'] for run in runs[c]):.2f}" for c in configs[1:]]

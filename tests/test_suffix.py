@@ -115,6 +115,15 @@ def test_cache_keeps_its_token_budget_evicting_the_oldest_and_scopes_apart():
     assert cache.num_nodes == 1 + len(_substrings([list(range(20, 30))], 4))
 
 
+def test_bad_suffix_settings_get_a_clear_error():
+    with pytest.raises(ValueError, match="suffix_cache_tokens must be >= 0, got -1"):
+        dataclasses.replace(SUFFIX, suffix_cache_tokens=-1)
+    with pytest.raises(ValueError, match="suffix_cache_tokens must be an integer"):
+        dataclasses.replace(SUFFIX, suffix_cache_tokens=1.5)
+    with pytest.raises(ValueError, match="max_depth must be >= 2"):
+        SuffixTrie(1)
+
+
 @pytest.fixture(scope="module")
 def target():
     return _model(scale=4.0)
