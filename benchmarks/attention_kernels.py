@@ -118,7 +118,7 @@ def native_table(reps):
     """The native kernel over every layer: decode rows, verify windows causal vs tree-masked, and a 512-token
     prefill chunk with no context before it and after 512 cached positions."""
     import cpu_kernels
-    from engine.tree_verify import tree_masks
+    from engine.spec.tree_verify import tree_masks
 
     all_layers = lambda **kw: jax.jit(lambda *a: sum(  # noqa: E731
         cpu_kernels.paged_attention(*a, jnp.int32(layer), **kw).sum() for layer in range(L)))

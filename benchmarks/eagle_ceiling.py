@@ -53,7 +53,7 @@ def main(argv):
     from checkpoints import load_model
     from checkpoints.draft import DEFAULT_EAGLE, load_draft
     from engine import LLM, SamplingParams
-    from engine.adaptive import oracle_tree_acceptance
+    from engine.spec.acceptance import oracle_tree_acceptance
     from model.eagle import EagleHead
     from model.llama import Llama
     from training.data import dense_hidden, dense_rows, split_prompts

@@ -55,7 +55,7 @@ DEFAULT_DRAFTS = {DEFAULT_MODEL: DEFAULT_DRAFT}
 DEFAULT_EAGLE_HEADS = {DEFAULT_MODEL: DEFAULT_EAGLE}
 DEFAULT_MEDUSA_HEADS = {DEFAULT_MODEL: DEFAULT_MEDUSA}
 # What `speculative="auto"` turns on for a model (`LLM` arguments), once `benchmarks/speculative.py` shows it
-# pays there. SmolLM2: n-gram lookup under the cost gate and its regret account (`engine.adaptive.DraftRegret`).
+# pays there. SmolLM2: n-gram lookup under the cost gate and its regret account (`engine.spec.costs.DraftRegret`).
 # On the 2-core AVX-512 CPU without AMX the fp32 step is ~6 ms and compute bound (a 4-token window costs 1.42x a
 # step, 8 tokens 2.12x): auto / off at batch 1 is 1.66x on long_context and 0.88-1.10x elsewhere, and at batch 4
 # and 16 0.88-1.12x (3 noisy rounds, RESULTS.md session 7). EAGLE-2 trees (with the n-gram chain in them:

@@ -1,7 +1,7 @@
 """The engine loop: schedule -> run -> update, over a scheduler (host), a runner (device) and per-request state.
 
 One `Engine.step`: the scheduler plans the step under the token budget
-(asking the proposer, if any, how many draft tokens each decode wants); the
+(asking the speculation gate how many draft tokens each decode gets); the
 runner applies the plan's block operations, packs it into a bucket and runs
 the one step program; the engine then commits the step to the scheduler and
 turns each row's emitted tokens into a `RequestOutput` (detokenizing, stop
@@ -20,13 +20,9 @@ import numpy as np
 from engine import kernels
 from engine.compilation import compilation_count, release_if_near_limit
 from engine.config import EngineConfig
-from engine.adaptive import SpeculationConfig, StepCosts, attention_pairs
-from engine.prompt_lookup import NgramProposer
-from engine.suffix_proposer import SuffixProposer
-from engine.medusa_proposer import MedusaProposer
-from engine.proposers import DraftModelProposer, EagleProposer, Proposer
-from model import medusa
-from model.eagle import FC
+from engine.spec import SpeculationConfig, make_proposer
+from engine.spec.costs import StepCosts
+from engine.spec.gate import Gate
 from engine.inputs import check_token_ids
 from engine.outputs import Detokenizer, RequestOutput
 from engine.runner import EngineStats, ModelRunner, StepOutput, StepTiming
@@ -96,11 +92,9 @@ class Engine:
                                                   kernels.weight_formats(model.params, dtype)))
         config = dataclasses.replace(config, matmul=self.kernel_choice.family)
         self.config = config
-        self.proposer = _proposer(draft, speculation, cfg, config)
+        self.proposer = make_proposer(draft, speculation, cfg, config)
         B = config.block_size
-        bytes_per_block = kv_bytes_per_block(cfg, B, config.tensor_parallel_size)
-        if self.proposer is not None:
-            bytes_per_block += self.proposer.bytes_per_block(B)
+        bytes_per_block = kv_bytes_per_block(cfg, B, config.tensor_parallel_size) + self.proposer.bytes_per_block(B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
         capacity = self.blocks.num_usable_blocks * B
@@ -115,8 +109,7 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                             config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
         self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.proposer)
-        if self.proposer is not None:
-            self.proposer.costs = StepCosts(self.runner.token_buckets, self.runner.seq_buckets)
+        self.gate = Gate(self.proposer, StepCosts(self.runner.token_buckets, self.runner.seq_buckets))
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)
         self._states: dict[str, RequestState] = {}
         self._draw_seed = seed_source()
@@ -145,10 +138,7 @@ class Engine:
         if longest > config.max_stop_chars:
             raise InvalidRequestError(f"a stop string of {longest} characters: at most max_stop_chars="
                                       f"{config.max_stop_chars}")
-        if (sampling.num_speculative_tokens or sampling.num_tree_nodes) and self.proposer is None:
-            raise InvalidRequestError("speculation is not available: the engine has no proposer")
-        if self.proposer is not None:
-            self.proposer.validate(sampling)
+        self.proposer.validate(sampling)
         if sampling.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={sampling.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         n = len(prompt_token_ids)
@@ -210,8 +200,7 @@ class Engine:
     def _forget(self, request: Request) -> None:
         """Drops the engine's bookkeeping of a finished request."""
         del self._states[request.request_id]
-        if self.proposer is not None:
-            self.proposer.finish(request)
+        self.gate.finish(request)
         if request.parent is not None:
             parent_id = request.parent.request_id
             if all(c.finished for c in self._samples[parent_id]):
@@ -223,8 +212,7 @@ class Engine:
         self._samples[parent.request_id] = children
         for c in children:
             self._track(c, (state.seed + c.index) % 2**32, [] if state.logprobs is not None else None)
-        if self.proposer is not None:
-            self.proposer.fork(parent, children)
+        self.gate.fork(parent, children)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -240,11 +228,11 @@ class Engine:
         timing = StepTiming()
         t0 = time.perf_counter()
         compiled = compilation_count()
-        if self.proposer is not None:
+        if self.gate.enabled:  # (only speculation's host time counts as `propose`)
             if self._gate_asked_at != self.num_steps:  # `_runs_ahead` asked it on these tokens already
-                self.proposer.begin_step(self.scheduler.decodes(), self.num_steps)
+                self.gate.begin_step(self.scheduler.decodes(), self.num_steps)
             timing.propose = time.perf_counter() - t0
-        plan = self.scheduler.schedule(self._draft_len if self.proposer is not None else None)
+        plan = self.scheduler.schedule(self._draft_len)
         t1 = time.perf_counter()
         self.runner.apply_block_ops(plan)
         for parent, children in plan.forks:
@@ -253,11 +241,11 @@ class Engine:
         timing.schedule, timing.block_ops = t1 - t0 - timing.propose, t2 - t1
         outputs = []
         if plan.seqs:
-            K, proposals, parents = None, None, None
-            if self.proposer is not None:
-                K = self.proposer.step_k(plan, self.num_steps)
-                if K:
-                    proposals, parents = self.proposer.proposals(plan), self.proposer.tree_parents(plan)
+            proposals, parents = None, None
+            K = self.gate.spec_k(plan, self.num_steps)
+            if K:
+                proposals, parents = self.proposer.proposals(plan), self.proposer.tree_parents(plan)
+            if self.gate.enabled:
                 timing.propose += time.perf_counter() - t2
             t3 = time.perf_counter()
             packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
@@ -272,11 +260,9 @@ class Engine:
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
-        elif plan.seqs and self.proposer is not None and self.proposer.costs is not None:
-            work = sum(attention_pairs(s.start, s.num_new_tokens) for s in plan.seqs)
-            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, work)
-            if _decodes_only(plan):
-                self.proposer.observe_step(plan.seqs, result.num_emitted[:len(plan.seqs)].tolist(), seconds)
+        elif plan.seqs:
+            self.gate.observe(plan, timing.num_tokens, timing.num_seqs, timing.spec_k, seconds,
+                              None if result.num_emitted is None else result.num_emitted[:len(plan.seqs)].tolist())
         if plan.seqs and self.on_step is not None:
             self.on_step(timing)
         return outputs
@@ -307,12 +293,9 @@ class Engine:
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
-        elif current is not None and self.proposer is not None and self.proposer.costs is not None:
+        elif current is not None:
             # What a plain step costs here, host work hidden: what the gate's drafts must beat.
-            work = sum(attention_pairs(s.start, s.num_new_tokens) for s in current[0].seqs)
-            self.proposer.costs.observe(timing.num_tokens, timing.num_seqs, None, seconds, work)
-            if _decodes_only(current[0]):
-                self.proposer.observe_step(current[0].seqs, [1] * len(current[0].seqs), seconds)
+            self.gate.observe(current[0], timing.num_tokens, timing.num_seqs, None, seconds, None)
         if current is not None and self.on_step is not None:
             self.on_step(timing)
         return outputs
@@ -324,17 +307,16 @@ class Engine:
         (a device proposer's drafts need every step's tokens). Asking the gate counts as its step."""
         if not self.config.async_scheduling:
             return False
-        proposer = self.proposer
-        if proposer is None:
+        if not self.gate.enabled:
             return True
-        if proposer.on_device:
+        if self.proposer.on_device:
             return False
         decodes = self.scheduler.decodes()
         t = time.perf_counter()
-        proposer.begin_step(decodes, self.num_steps)
+        self.gate.begin_step(decodes, self.num_steps)
         self._gate_seconds += time.perf_counter() - t
         self._gate_asked_at = self.num_steps
-        return not any(proposer.draft_len(r, self.num_steps) for r in decodes)
+        return not any(self.gate.draft_len(r, self.num_steps) for r in decodes)
 
     def _dispatch_ahead(self, timing: StepTiming, before: tuple | None) -> tuple | None:
         """Schedules, packs and dispatches a plain step after `before` (the step in flight, or None); commits it
@@ -374,7 +356,7 @@ class Engine:
         return outputs
 
     def _draft_len(self, request: Request) -> int:
-        return self.proposer.draft_len(request, self.num_steps)
+        return self.gate.draft_len(request, self.num_steps)
 
     def _update(self, plan: StepPlan, result: StepOutput) -> list[RequestOutput]:
         """Commits the step to the scheduler and appends each sampling row's emitted tokens."""
@@ -392,9 +374,9 @@ class Engine:
                 r.num_accepted_tokens += accepted[i]
                 depth = self.proposer.depth(r, s.num_draft)  # a tree's path positions
                 self.stats.add_verify(depth, accepted[i])
-                self.proposer.record(r, depth, accepted[i], self.num_steps)
+                self.gate.record(r, depth, accepted[i], self.num_steps)
                 if result.path_rank is not None:
-                    self.proposer.record_tree(r, s.num_draft, result.path_rank[i, :accepted[i]])
+                    self.gate.record_tree(r, s.num_draft, result.path_rank[i, :accepted[i]])
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()
             logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None
@@ -516,32 +498,3 @@ def _logprob_entry(sampled: Sampled, row: int, slot: int, n: int) -> dict[int, f
     entry.setdefault(int(sampled.tokens[row, slot]), float(sampled.logprobs[row, slot]))
     return entry
 
-
-def _decodes_only(plan: StepPlan) -> bool:
-    """Whether every row of `plan` decodes (samples after its one real token and its drafts): no prefill."""
-    return all(s.sample and s.num_new_tokens == 1 + s.num_draft for s in plan.seqs)
-
-
-def _proposer(draft, speculation: SpeculationConfig | None, target_config, config: EngineConfig) -> Proposer | None:
-    """The engine's proposer from its `draft` and `speculation` arguments (see `Engine`)."""
-    if speculation is None:
-        if draft is None:
-            return None
-        speculation = SpeculationConfig(method=draft_kind(draft))
-    if speculation.method == "ngram":
-        return NgramProposer(speculation)
-    if speculation.method == "suffix":
-        return SuffixProposer(speculation)
-    if draft is None or draft_kind(draft) != speculation.method:
-        kind = {"eagle": "an EAGLE head", "medusa": "Medusa heads"}.get(speculation.method, "a draft model")
-        raise ValueError(f"speculation method {speculation.method!r} needs {kind}")
-    if speculation.method == "eagle":
-        return EagleProposer(draft, speculation, target_config, config)
-    if speculation.method == "medusa":
-        return MedusaProposer(draft, speculation, target_config, config)
-    return DraftModelProposer(draft, speculation, target_config.vocab_size, config)
-
-
-def draft_kind(draft) -> str:
-    """"eagle", "medusa" or "draft": the speculation method a loaded draft (`LoadedModel`) is for."""
-    return "eagle" if FC in draft.params else "medusa" if medusa.W in draft.params else "draft"

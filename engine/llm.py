@@ -11,8 +11,9 @@ import numpy as np
 
 from checkpoints import DEFAULT_MODEL, LoadedModel, load_model
 from engine.config import EngineConfig
-from engine.adaptive import SpeculationConfig
-from engine.engine import Engine, draft_kind
+from engine.spec.config import SpeculationConfig
+from engine.engine import Engine
+from engine.spec import draft_kind
 from engine.inputs import Prompt, encode_prompt
 from engine.outputs import RequestOutput
 from engine.scoring import ScoreOutput
@@ -34,7 +35,7 @@ class LLM:
         tokens that followed the latest earlier occurrence of the last few
         tokens), "suffix" (suffix decoding: token trees of the likeliest
         continuations in the request's own context and in earlier outputs of
-        its `cache_salt`; `engine.suffix_proposer.SuffixProposer`), None (off), or "auto": the settings
+        its `cache_salt`; `engine.spec.suffix.SuffixProposer`), None (off), or "auto": the settings
         `checkpoints.draft.AUTO_SPECULATION` lists for `model` (the ones the
         benchmark showed to pay; for SmolLM2 n-gram lookup), or with
         `draft_model` its kind, else off. Settings passed here override auto's.

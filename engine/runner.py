@@ -7,11 +7,11 @@ packs it into a padded bucket, runs the one step program, and makes the
 step's one device-to-host read. It never sees a request's bookkeeping beyond
 what `pack` reads (tokens, block ids, sampling settings).
 
-With a draft model (`engine.proposers.DraftModelProposer`), the draft's KV
+With a draft model (`engine.spec.draft.DraftModelProposer`), the draft's KV
 pool sits beside the target's in `pools`: the same block tables index both,
 so a block operation (copy-on-write, swap) applies to every pool at once; an
 EAGLE head's KV pool and the target's features (`FeaturePool`) sit there the
-same way (`Proposer.pools`). A host proposer (`engine.prompt_lookup.NgramProposer`) has no pool; its
+same way (`Proposer.pools`). A host proposer (`engine.spec.ngram.NgramProposer`) has no pool; its
 steps run the target and the verify alone.
 """
 
@@ -33,10 +33,10 @@ import cpu_kernels
 from engine.compilation import MAPS_PER_PROGRAM, maps_left, memory_maps
 from engine.config import EngineConfig
 from engine.distributed import check_same_batch
-from engine.proposers import Proposer
+from engine.spec.proposer import NoProposer, Proposer
 from engine.programs import Programs
 from engine.scoring import make_score_step
-from engine.speculative import SpecBatch, make_tree_verify_step, make_verify_step
+from engine.spec.programs import SpecBatch
 from engine.step import (KVPool, cpu_paged_attention, Sampled, StepBatch, build_model, copy_blocks, gather_blocks,
                          make_step, replicate, scatter_blocks, tensor_parallel_mesh, to_device)
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -165,7 +165,7 @@ class StepOutput:
     sampled: log-probabilities of each slot as a host `Sampled` with
       `[S, K+1]` leading dims, or None when no request asked for them.
     path_rank: int32 `[S, K]`, the rank of each accepted token-tree node among
-      its row's candidates (-1 past the path; `engine.speculative.make_eagle_tree_step`),
+      its row's candidates (-1 past the path; `engine.spec.eagle.make_eagle_tree_step`),
       or None (chains, host proposers).
     """
 
@@ -206,11 +206,11 @@ class ModelRunner:
       config: engine limits (block size, buckets, attention).
       num_blocks: KV pool size in blocks (block 0 is reserved for padding).
       max_blocks_per_seq: block-table width.
-      proposer: the speculation proposer (None: none).
+      proposer: the speculation proposer (`NoProposer`: none).
     """
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, max_blocks_per_seq: int,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer = NoProposer()):
         cfg = model.config
         self.model_config = cfg
         self.config = config
@@ -218,16 +218,15 @@ class ModelRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.mesh = tensor_parallel_mesh(config.tensor_parallel_size)
         self.graphdef, self.state, self.packed_bytes = build_model(model, config, config.kernel_dtype, self.mesh)
-        if proposer is not None:
-            self.packed_bytes += proposer.packed_bytes
-            if proposer.on_device:
-                proposer.state = replicate(proposer.state, self.mesh)
+        self.packed_bytes += proposer.packed_bytes
+        if proposer.on_device:
+            proposer.state = replicate(proposer.state, self.mesh)
         if self.packed_bytes:
             log.info("CPU kernel weights: %.0f MB more for the packed copies", self.packed_bytes / 1e6)
         B = config.block_size
         # The target's KV pool, then the proposer's pools (a draft's KV; an EAGLE head's KV and features).
         self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B, self.mesh),
-                             *replicate(proposer.pools(num_blocks, B) if proposer is not None else (), self.mesh))
+                             *replicate(proposer.pools(num_blocks, B), self.mesh))
         # The compiled shapes: every program is specialised to one of these.
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
@@ -242,9 +241,7 @@ class ModelRunner:
         self._score_step = make_score_step(self.graphdef, self._attention)
         # Programs by (K or "score", the batch layouts), called compiled: no tracing on a shape's first use.
         self.programs = Programs((cfg, config, getattr(self._attention, "__qualname__", self._attention),
-                                  repr(self.graphdef),
-                                  None if proposer is None else (proposer.kind, proposer.config, proposer.on_device,
-                                                                 repr(getattr(proposer, "graphdef", None)))))
+                                  repr(self.graphdef), proposer.program_key))
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -255,8 +252,6 @@ class ModelRunner:
     def spec_ks(self) -> list[int | None]:
         """The step programs per shape: target only, each of the proposer's `program_ks`, and K = 0 with a
         device proposer (it keeps the draft's KV in step)."""
-        if self.proposer is None:
-            return [None]
         return [None, *([0] if self.proposer.on_device else []), *self.proposer.program_ks]
 
     # ---- the step -------------------------------------------------------------------------
@@ -279,7 +274,7 @@ class ModelRunner:
 
         `spec_k` None runs the target alone (num_emitted is None: one token
         per row); otherwise the draft + verify program for that K
-        (`engine.speculative.make_spec_step`), or the verify program of a host
+        (`engine.spec.draft.make_spec_step`), or the verify program of a host
         proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
         replaced.
         """
@@ -306,12 +301,7 @@ class ModelRunner:
             return key, self._step, (self.state, self.pools[0], batch, (self._fed, feed_index))
         step = self._spec_steps.get(spec_k)
         if step is None:
-            if self.proposer.on_device:
-                step = self.proposer.step_program(self.graphdef, self._attention, spec_k)
-            else:
-                make = make_tree_verify_step if self.proposer.config.tree_nodes else make_verify_step
-                step = make(self.graphdef, self._attention, spec_k)
-            self._spec_steps[spec_k] = step
+            step = self._spec_steps[spec_k] = self.proposer.step_program(self.graphdef, self._attention, spec_k)
         if not self.proposer.on_device:
             return key, step, (self.state, self.pools[0], batch, spec)
         return key, step, (self.state, self.proposer.state, *self.pools, batch, spec)

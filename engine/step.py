@@ -263,7 +263,7 @@ def paged_attend(batch: StepBatch, attention: Callable, tree_mask: jax.Array | N
     """An `AttendFn` that writes this step's K/V at `slot_mapping` and reads through the block table.
 
     `tree_mask` (int32 `[T]`, `pallas_kernels.reference.tree_visible`) makes verify windows token trees:
-    each window token then sees its ancestors only (`engine.tree_verify`)."""
+    each window token then sees its ancestors only (`engine.spec.tree_verify`)."""
     extra = {} if tree_mask is None else {"tree_mask": tree_mask}
 
     def attend(q, k, v, layer, pool: KVPool):

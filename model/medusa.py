@@ -14,7 +14,7 @@ Each head's top-n tokens are its candidates; a static sparse tree
 probability from each head's measured top-i accuracy) combines them into one
 token tree verified in a single target pass. The candidates are a
 deterministic function of h_t, so the coupled tree verify keeps the output
-exactly the target's (`engine.tree_verify.verify_tree_coupled`).
+exactly the target's (`engine.spec.tree_verify.verify_tree_coupled`).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class SpecArrays:
     A row with `num_draft = k` packs its last accepted token followed by `k`
     placeholder tokens: a device proposer writes its draft tokens into them; a
     host proposer's tokens are packed there and in `draft_tokens`. A token
-    tree's nodes (`engine.tree_verify`) take the placeholders in node order,
+    tree's nodes (`engine.spec.tree_verify`) take the placeholders in node order,
     with RoPE positions root + depth and their ancestors' attention masks.
     """
 

@@ -37,7 +37,7 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 import pytest
 
 from engine.compilation import release_all
-from engine.speculative import make_spec_step
+from engine.spec.draft import make_spec_step
 from engine.step import make_step
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.adaptive import (CutAcceptance, DraftRegret, SpeculationConfig, StepCosts, attention_pairs, expected_accepted,
-                             oracle_tree_acceptance)
-from engine.prompt_lookup import NgramProposer
-from engine.proposers import Proposer
+from engine.spec.acceptance import CutAcceptance, expected_accepted, oracle_tree_acceptance
+from engine.spec.config import SpeculationConfig
+from engine.spec.costs import DraftRegret, StepCosts, attention_pairs
+from engine.spec.ngram import NgramProposer
+from engine.spec.gate import Gate
+from engine.spec.proposer import Proposer
 from scheduler.packing import power_of_two_buckets
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import ScheduledSeq
@@ -16,16 +18,20 @@ from scheduler.scheduler import ScheduledSeq
 BUCKETS = power_of_two_buckets(64)
 
 
-class _Fixed(Proposer):
-    """A host proposer that always wants its request's `want` draft tokens (capped by the policy)."""
+class _Want(Proposer):
+    """A host proposer that always offers its request's `want` draft tokens (capped by the policy)."""
 
     def __init__(self, config, want):
         super().__init__(config)
         self.want = want
-        self.costs = StepCosts(BUCKETS, BUCKETS)
 
-    def wanted(self, request, step):
-        return min(self.want[request.request_id], self.policy_k(request, step))
+    def proposal_len(self, request, k):
+        return min(self.want[request.request_id], k)
+
+
+def _gate(config, want, proposer=_Want):
+    """The gate over a `proposer(config, want)`, with step costs to measure."""
+    return Gate(proposer(config, want), StepCosts(BUCKETS, BUCKETS))
 
 
 def _decodes(n, request_class="default", seed=None, prefix="r"):
@@ -129,7 +135,7 @@ def test_a_verify_measured_at_short_contexts_is_priced_at_this_steps(context, dr
     10,000-token context each draft token attends 10,000 more pairs (100 ms at the fitted 10 us per pair;
     the plain step takes 120 ms), so with alpha 1/2 no draft length pays, although the verify's measured
     mean alone would say it does."""
-    p = _Fixed(SpeculationConfig(4, min_acceptance=0.01), {"r0": 4})
+    p = _gate(SpeculationConfig(4, min_acceptance=0.01), {"r0": 4})
     _teach(p, "default", [(4, 1)])  # alpha 1 / 2
     p.costs.observe(1, 1, None, 0.020, 100)
     p.costs.observe(1, 1, None, 0.120, 10_100)  # the plain step at a long context: 10 us per pair
@@ -141,7 +147,7 @@ def test_a_verify_measured_at_short_contexts_is_priced_at_this_steps(context, dr
 
 
 def test_cheap_verify_and_good_acceptance_draft_the_full_k():
-    p = _Fixed(SpeculationConfig(4), {"r0": 4})
+    p = _gate(SpeculationConfig(4), {"r0": 4})
     _teach(p, "default", [(4, 3)])  # alpha 3 / 4
     assert p.alpha(_decodes(1)[0]) == pytest.approx(0.75, abs=0.01)
     p.costs.observe(1, 1, None, 0.020)
@@ -155,7 +161,7 @@ def test_cheap_verify_and_good_acceptance_draft_the_full_k():
 
 
 def test_expensive_verify_turns_drafting_off_for_the_step():
-    p = _Fixed(SpeculationConfig(4), {f"r{i}": 4 for i in range(16)})
+    p = _gate(SpeculationConfig(4), {f"r{i}": 4 for i in range(16)})
     _teach(p, "default", [(4, 1), (4, 0)])  # alpha 1 / 3
     assert p.alpha(_decodes(1)[0]) == pytest.approx(1 / 3, abs=0.03)
     p.costs.observe(16, 16, None, 0.040)
@@ -171,8 +177,8 @@ def test_expensive_verify_turns_drafting_off_for_the_step():
 def test_a_device_proposer_must_beat_the_target_alone_not_its_upkeep_step():
     """A device proposer's no-draft step (K = 0) still runs its upkeep pass; the gate weighs drafting against the
     target alone (K = None), which the steps run once the class is released, where that is measured."""
-    p = _Fixed(SpeculationConfig(4), {"r0": 4})
-    p.on_device = True
+    p = _gate(SpeculationConfig(4), {"r0": 4})
+    p.proposer.on_device = True
     _teach(p, "default", [(4, 1), (4, 0)])  # alpha 1 / 3: 1 + E(1/3, 4) = 1.49 tokens per verify
     p.costs.observe(1, 1, 0, 0.026)  # the head's upkeep makes a no-draft step 30% dearer than the target's
     p.costs.observe(8, 1, 4, 0.030)
@@ -186,7 +192,7 @@ def test_a_device_proposer_must_beat_the_target_alone_not_its_upkeep_step():
 
 def test_only_the_classes_that_pay_draft():
     want = {f"{c}{i}": 2 for c in "ab" for i in range(2)}
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), want)  # the floor leaves both classes on
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), want)  # the floor leaves both classes on
     _teach(p, "good", [(2, 2)] * 4 + [(2, 1)])  # alpha 9 / 10
     _teach(p, "bad", [(2, 1)] + [(2, 0)] * 4)  # alpha 1 / 6
     assert p.alpha(_decodes(1, "bad")[0]) == pytest.approx(1 / 6, abs=0.03) and p.policy.class_k("bad") == 2
@@ -199,7 +205,7 @@ def test_only_the_classes_that_pay_draft():
 
 
 def test_unmeasured_shapes_are_explored_and_plain_is_measured_first():
-    p = _Fixed(SpeculationConfig(2), {"r0": 2})
+    p = _gate(SpeculationConfig(2), {"r0": 2})
     [r] = _decodes(1)
     p.begin_step([r], 0)
     assert p.draft_len(r, 0) == 0  # no plain step measured for this batch size yet
@@ -218,7 +224,7 @@ def test_unmeasured_shapes_are_explored_and_plain_is_measured_first():
 
 
 def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
-    p = _Fixed(SpeculationConfig(2), {"r0": 2})
+    p = _gate(SpeculationConfig(2), {"r0": 2})
     [seeded] = _decodes(1, seed=5)
     p.begin_step([seeded], 0)  # nothing measured: an unseeded request would not draft
     assert p.draft_len(seeded, 0) == 2
@@ -228,10 +234,10 @@ def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
     assert p.draft_len(seeded, 1) == 2
     # A greedy request's output is the target's argmax whatever is drafted: seeded or not, the gate chooses.
     greedy = Request([1, 2, 3], SamplingParams(temperature=0.0, seed=5), request_id="g")
-    p.want["g"] = 2
+    p.proposer.want["g"] = 2
     p.begin_step([greedy], 2)
     assert p.wanted(greedy, 2) == 2 and p.draft_len(greedy, 2) == 0
-    raw = _Fixed(SpeculationConfig(2, min_acceptance=0.0), {"r0": 2})
+    raw = _gate(SpeculationConfig(2, min_acceptance=0.0), {"r0": 2})
     raw.costs.observe(1, 1, None, 0.020)
     raw.costs.observe(4, 1, 2, 0.500)
     [r] = _decodes(1)
@@ -240,11 +246,11 @@ def test_seeded_requests_keep_their_own_k_and_adaptation_off_means_no_gate():
 
 
 def test_ngram_acceptance_is_estimated_per_matched_size():
-    p = NgramProposer(SpeculationConfig(2, method="ngram"))
+    p = Gate(NgramProposer(SpeculationConfig(2, method="ngram")))
     two = Request([5, 7, 1, 2, 5, 7], SamplingParams(), request_id="two")  # the 2-gram [5, 7] recurs
     one = Request([9, 1, 2, 9], SamplingParams(), request_id="one")  # only the 1-gram [9] recurs
     assert p.wanted(two, 0) == 2 and p.wanted(one, 0) == 2
-    assert p.acceptance_key(two) == ("default", 2) and p.acceptance_key(one) == ("default", 1)
+    assert p.proposer.acceptance_key(two) == ("default", 2) and p.proposer.acceptance_key(one) == ("default", 1)
     for _ in range(30):
         p.record(two, 2, 2, 0)
         p.record(one, 2, 0, 0)
@@ -252,7 +258,7 @@ def test_ngram_acceptance_is_estimated_per_matched_size():
 
 
 def test_ngram_never_switches_a_request_off():
-    p = NgramProposer(SpeculationConfig(4, method="ngram"))
+    p = Gate(NgramProposer(SpeculationConfig(4, method="ngram")))
     unseeded = Request([9, 1, 2, 9], SamplingParams(), request_id="u")
     seeded = Request([9, 1, 2, 9], SamplingParams(seed=3), request_id="s")
     capped = Request([9, 1, 2, 9], SamplingParams(num_speculative_tokens=1), request_id="c")
@@ -264,12 +270,12 @@ def test_ngram_never_switches_a_request_off():
 
 
 def test_a_host_proposer_compiles_one_verify_program():
-    p = NgramProposer(SpeculationConfig(4, method="ngram"))
-    assert p.program_ks == (4,) and SpeculationConfig(4).ladder == (1, 2, 4)
+    p = Gate(NgramProposer(SpeculationConfig(4, method="ngram")))
+    assert p.proposer.program_ks == (4,) and SpeculationConfig(4).ladder == (1, 2, 4)
 
 
 def test_the_gate_chooses_for_seeded_ngram_requests_too():
-    p = NgramProposer(SpeculationConfig(2, method="ngram"))
+    p = Gate(NgramProposer(SpeculationConfig(2, method="ngram")))
     p.costs = StepCosts(BUCKETS, BUCKETS)
     seeded = Request([9, 1, 2, 9], SamplingParams(seed=3), request_id="s", output_token_ids=[9])
     p.costs.observe(1, 1, None, 0.020)
@@ -280,7 +286,7 @@ def test_the_gate_chooses_for_seeded_ngram_requests_too():
 
 
 def test_an_unmeasured_verify_shape_is_priced_like_a_measured_prefill_of_its_bucket():
-    p = _Fixed(SpeculationConfig(2), {f"r{i}": 2 for i in range(16)})
+    p = _gate(SpeculationConfig(2), {f"r{i}": 2 for i in range(16)})
     _teach(p, "default", [(2, 1)])  # alpha 1 / 2
     p.costs.observe(16, 16, None, 0.040)
     p.costs.observe(32, 1, None, 0.100)  # a 32-token prefill chunk
@@ -297,7 +303,7 @@ def test_an_unmeasured_verify_costs_the_plain_step_plus_its_extra_tokens(accepts
     bucket is priced as the plain step plus the products of 4 more tokens (a bare 8-token step costs 0.030 s
     more than a 4-token one): 1.5 plain steps (not 1, as its cheapest measured step alone would say), so it
     pays with alpha 0.75 (4 rows: 4 + 3 tokens in 1.5 plain steps) but not with 0.25."""
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 1 for i in range(4)})  # the policy keeps K
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 1 for i in range(4)})  # the policy keeps K
     _teach(p, "default", [(1, int(i < accepts)) for i in range(8)])
     p.costs.observe(4, 4, None, 0.060)  # this batch's plain step
     p.costs.observe(4, 1, None, 0.030)  # a 4-token prefill chunk: the cheapest step of bucket 4
@@ -307,10 +313,10 @@ def test_an_unmeasured_verify_costs_the_plain_step_plus_its_extra_tokens(accepts
     assert [p.draft_len(r, 0) for r in rs] == [1 if drafts else 0] * 4
 
 
-class _Tree(_Fixed):
+class _Tree(_Want):
     """A host proposer of 12-node token trees, 4 deep: depth 1 for the first 2 nodes, 2 up to 6, 3 up to 11."""
 
-    def wanted(self, request, step):
+    def proposal_len(self, request, k):
         return 12
 
     def depth(self, request, k):
@@ -324,7 +330,7 @@ def test_the_gate_cuts_trees_to_the_window_that_pays(window_ms, want):
     window costs more (CPU) 3 nodes win: 1 + E(0.5, 2) = 1.75 tokens in 21 ms; where windows cost the same
     (GPU) the whole tree, 4 deep."""
     config = SpeculationConfig(4, method="ngram", tree_nodes=12)
-    p = _Tree(config, {"r0": 12})
+    p = _gate(config, {"r0": 12}, _Tree)
     assert p.gate_caps == (1, 3, 7, 12)
     _teach(p, "default", [(4, 1)])  # alpha 0.51: one of two tried path positions accepted
     assert p.alpha(_decodes(1)[0]) == pytest.approx(0.5, abs=0.01)
@@ -366,7 +372,7 @@ def test_trees_are_priced_by_what_each_cut_accepted(ranks, want):
     Measured per cut it depends on where the accepted nodes rank: ranks 0, 4, 8, 11 of 12 nodes give cut 1 one
     token, cut 3 one, cut 7 two, the whole tree four (5 tokens in 41 ms beat 2 in 20.5); only the first
     node accepted: the one-node cut (2 tokens in 20.5 ms)."""
-    p = _Tree(SpeculationConfig(4, method="ngram", tree_nodes=12), {"r0": 12})
+    p = _gate(SpeculationConfig(4, method="ngram", tree_nodes=12), {"r0": 12}, _Tree)
     _teach(p, "default", [(4, 1)])
     teacher = Request([1], SamplingParams(), request_id="teacher")
     for _ in range(40):
@@ -380,7 +386,7 @@ def test_trees_are_priced_by_what_each_cut_accepted(ranks, want):
 
 
 def test_a_held_class_is_tried_again_and_held_again_on_fresh_misses():
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {"r0": 1})
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {"r0": 1})
     _teach(p, "bad", [(2, 1)] + [(2, 0)] * 4)  # alpha 1/6
     p.costs.observe(1, 1, None, 0.030)
     p.costs.observe(2, 1, 2, 0.040)  # one draft pays when alpha > 1/3
@@ -420,7 +426,7 @@ def test_drafting_that_does_not_pay_costs_at_most_its_budget():
     """The gate's model says drafting pays (a cheap verify, alpha 1) but every drafting step really takes two
     plain steps and accepts nothing: drafting stops once the start credit is spent, and after that only the
     budget's 1% of the class's time goes to drafts (the exploration that would notice a change)."""
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
     p.costs.observe(4, 4, None, 0.020, 4 * attention_pairs(3, 1))
     p.costs.observe(8, 4, 2, 0.021, 4 * attention_pairs(3, 3))
     rows = _decodes(4)
@@ -436,7 +442,7 @@ def test_drafting_that_does_not_pay_costs_at_most_its_budget():
 
 
 def test_drafting_that_pays_is_never_stopped_and_the_account_is_per_batch_bucket():
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"{c}{i}": 2 for c in "rq" for i in range(4)})
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {f"{c}{i}": 2 for c in "rq" for i in range(4)})
     p.costs.observe(1, 1, None, 0.020, attention_pairs(3, 1))
     p.costs.observe(4, 1, 2, 0.021, attention_pairs(3, 3))
     p.costs.observe(4, 4, None, 0.020, 4 * attention_pairs(3, 1))
@@ -457,11 +463,11 @@ def test_chains_are_cut_to_any_length_on_the_host_and_to_the_ladder_on_the_devic
     """A host proposer's one verify program serves every draft length, so the gate tries them all: at alpha
     0.75, K = 3 fills a 4-token window (1 + E(0.75, 3) = 2.73 tokens in 22 ms) where K = 4 pads to 8 tokens
     (3.05 in 30 ms) and K = 2 leaves a slot unused (2.31 in 21 ms). A device proposer has a program per ladder length (4, 2, 1) and is cut to those."""
-    host = _Fixed(SpeculationConfig(4), {"r0": 4})
-    assert host.gate_caps == (1, 2, 3, 4) and host.program_ks == (4,)
-    device = _Fixed(SpeculationConfig(4), {"r0": 4})
-    device.on_device = True
-    assert device.gate_caps == (1, 2, 4) == device.program_ks
+    host = _gate(SpeculationConfig(4), {"r0": 4})
+    assert host.gate_caps == (1, 2, 3, 4) and host.proposer.program_ks == (4,)
+    device = _gate(SpeculationConfig(4), {"r0": 4})
+    device.proposer.on_device = True
+    assert device.gate_caps == (1, 2, 4) == device.proposer.program_ks
     _teach(host, "default", [(4, 3)])
     host.costs.observe(1, 1, None, 0.020)
     host.costs.observe(2, 1, 4, 0.021)
@@ -478,13 +484,13 @@ def test_the_plain_steps_measured_alongside_price_the_regret():
     worth 25 ms, and each drafting step loses 3 ms. Once the plain arm has its steps, the account charges
     that loss, the credit runs out, and drafting falls from every third step to what the budget pays for:
     the loss stays within 1% of the time (each drafting step loses 0.15 plain steps; each step earns 0.01)."""
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
     p.costs.observe(4, 4, None, 0.030, 4 * attention_pairs(3, 1))
     p.costs.observe(8, 4, 2, 0.021, 4 * attention_pairs(3, 3))
     rows, drafted = _decodes(4), []
     for step in range(900):
         for r in rows:
-            p.want[r.request_id] = 2 if step % 3 == 0 else 0  # a lookup matches every third step
+            p.proposer.want[r.request_id] = 2 if step % 3 == 0 else 0  # a lookup matches every third step
             r.num_computed_tokens = 3
         p.begin_step(rows, step)
         seqs = [ScheduledSeq(r, 3, 1 + p.draft_len(r, step), True, p.draft_len(r, step)) for r in rows]
@@ -506,7 +512,7 @@ def test_a_steep_attention_slope_never_prices_a_step_at_zero():
     """Long contexts measured, then a batch of short ones: the fitted per-pair cost extrapolated to the short
     contexts went below zero, the plain step was priced at 0 s and the gate divided by it (a crash of the
     engine thread in the speculative benchmark). The price now keeps a tenth of the measured step."""
-    p = _Fixed(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
+    p = _gate(SpeculationConfig(2, min_acceptance=0.01), {f"r{i}": 2 for i in range(4)})
     for long, seconds in [(4000, 0.010), (40000, 0.200)] * 10:
         p.costs.observe(4, 4, None, seconds, 4 * attention_pairs(long, 1))
     rows = _decodes(4)

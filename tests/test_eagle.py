@@ -1,4 +1,4 @@
-"""The EAGLE head as a proposer (`engine.proposers.EagleProposer`), on tiny random-weight models.
+"""The EAGLE head as a proposer (`engine.spec.eagle.EagleProposer`), on tiny random-weight models.
 
 A head built from a one-layer target's own layer, reading the token embedding
 and ignoring the features (fc = [I; 0]), predicts the target's hidden state
@@ -18,7 +18,7 @@ from checkpoints import LoadedModel, Tokenizer
 from checkpoints.draft import early_exit_draft, load_draft, save_draft
 from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
-from engine.adaptive import SpeculationConfig
+from engine.spec.config import SpeculationConfig
 from model.config import get_preset
 from model.eagle import FC, EagleHead, deepen
 from model.llama import Llama, dense_attention
@@ -104,7 +104,7 @@ def test_a_head_equal_to_the_target_accepts_every_node_of_a_branchless_tree(targ
 
 
 def test_tree_shape_and_bad_tree_settings():
-    from engine.speculative import eagle_tree_shape
+    from engine.spec.eagle import eagle_tree_shape
 
     with pytest.raises(ValueError, match="tree_branching must be in"):
         dataclasses.replace(TREES, tree_branching=0)
@@ -191,7 +191,7 @@ def test_a_request_the_gate_keeps_holding_stops_keeping_the_heads_state(target, 
     """With every verify priced far above a plain step, the cost gate gives no drafts; after `HOLD_STEPS` such
     steps the request's class is released and its steps run the target alone (no head pass), output
     unchanged."""
-    from engine.proposers import HOLD_STEPS
+    from engine.spec.gate import HOLD_STEPS
 
     gated = Engine(target, CFG, draft=head, speculation=SpeculationConfig(3, method="eagle"))
     assert gated.proposer.config.min_acceptance > 0  # the gate is on
@@ -199,7 +199,7 @@ def test_a_request_the_gate_keeps_holding_stops_keeping_the_heads_state(target, 
     for T in runner.token_buckets:
         for S in runner.seq_buckets:
             for K in (1, 2, 3):
-                gated.proposer.costs.observe(T, S, K, 10.0)
+                gated.gate.costs.observe(T, S, K, 10.0)
     ks = []
     gated.on_step = lambda timing: ks.append(timing.spec_k)
     sp = SamplingParams(temperature=0, max_tokens=HOLD_STEPS + 12, ignore_eos=True)
@@ -328,7 +328,7 @@ def test_first_three_tokens_of_merged_trees_follow_the_target_exactly(sp):
         counts[tuple(o.token_ids[:3])] += 1
     drafted, accepted = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
     assert drafted >= 4 * N and 0.05 < accepted / drafted < 0.95, (accepted, drafted)
-    assert any(n > 0 for _, n in engine.proposer._acceptance)  # verifies of trees that held a chain
+    assert any(n > 0 for _, n in engine.gate._acceptance)  # verifies of trees that held a chain
     assert _chi2_pvalue(counts.ravel(), _exact_joint(target, prompt, sp).ravel()) > 1e-3
     if sp.temperature != 1.0 or sp.top_p != 1.0 or sp.min_p:
         unfiltered = _exact_joint(target, prompt, SamplingParams(temperature=1.0))
@@ -339,7 +339,7 @@ def test_the_ngram_chain_joins_the_tree_once():
     """`_with_chain`: chain nodes come first (score 0, in order); a head candidate that spells a chain prefix
     merges into that chain node (never taken, its children re-hung); other candidates keep their parents,
     shifted past the chain."""
-    from engine.speculative import _with_chain
+    from engine.spec.eagle import _with_chain
 
     chain = jnp.array([[7, 8, -1]])
     c_tok = [jnp.array([[7, 9]]), jnp.array([[8, 5, 6, 4]])]

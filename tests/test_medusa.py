@@ -12,7 +12,7 @@ import pytest
 from checkpoints import LoadedModel
 from checkpoints.draft import load_draft, save_medusa
 from engine import Engine, EngineConfig, SamplingParams
-from engine.adaptive import SpeculationConfig
+from engine.spec.config import SpeculationConfig
 from model import medusa
 from model.llama import Llama
 from tests.test_speculative import _model, _run
@@ -146,13 +146,15 @@ def test_tree_is_cut_at_the_requests_depth(target, heads):
     """The tree is best-first ((0,) 0.6, (0,0) 0.3, (1,) 0.25, (1,0) 0.125, ...); a request's own
     num_speculative_tokens caps its depth: the tree's nodes up to the first deeper one; depth(k) is the
     first k nodes' deepest path."""
-    from engine.medusa_proposer import MedusaProposer
+    from engine.spec.gate import Gate
+    from engine.spec.medusa import MedusaProposer
     from scheduler.request import Request
     proposer = MedusaProposer(heads, TREE, target.config)
+    gate = Gate(proposer)
     assert proposer.parents[:4] == [0, 1, 0, 3] and proposer.tree[0][:4] == (0, 1, 0, 1)
-    wanted = [proposer.wanted(Request([3, 4], SamplingParams(num_speculative_tokens=k)), 0) for k in (0, 1, 2, 3)]
+    wanted = [gate.wanted(Request([3, 4], SamplingParams(num_speculative_tokens=k)), 0) for k in (0, 1, 2, 3)]
     assert wanted[:2] == [0, 1] and 1 < wanted[2] < 8 and wanted[3] == 8
-    assert proposer.wanted(Request([3, 4], SamplingParams(num_tree_nodes=3)), 0) == 3  # a request's node budget
+    assert gate.wanted(Request([3, 4], SamplingParams(num_tree_nodes=3)), 0) == 3  # a request's node budget
     assert [proposer.depth(None, k) for k in range(5)] == [0, 1, 2, 2, 2]
 
 
@@ -176,7 +178,7 @@ def _first_verify(engine, prompt, num_tree_nodes):
 def test_path_ranks_say_what_each_smaller_cut_accepts(target, heads):
     """Medusa's cuts are prefixes of one static tree and the coupled verify follows the target's own tokens, so
     the whole tree's accepted ranks give exactly what a request cut to its first n nodes accepts
-    (`engine.adaptive.CutAcceptance`), and the gate's estimates after the whole tree's verifies are those."""
+    (`engine.spec.acceptance.CutAcceptance`), and the gate's estimates after the whole tree's verifies are those."""
     engine = Engine(target, CFG, draft=heads, speculation=TREE)
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     contexts = PROMPTS + [p + o.token_ids for p, o in zip(PROMPTS, _run(Engine(target, CFG), PROMPTS,

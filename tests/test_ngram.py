@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
-from engine.adaptive import SpeculationConfig
-from scheduler.ngram import NgramIndex, lookup, lookup_tree
+from engine.spec.config import SpeculationConfig
+from engine.spec.ngram import NgramIndex, lookup, lookup_tree
 from scheduler.packing import _ancestor_masks
 from scheduler.request import SamplingParams
 from tests.test_speculative import _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
@@ -199,7 +199,7 @@ def test_default_settings_keep_a_seeded_output_independent_of_its_batch_mates(ta
         assert _run(default, [PROMPTS[0]], [sp])[0].token_ids == want
         mixed = _run(default, [PROMPTS[4], PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others[0], sp, others[1], others[2]])
         assert mixed[1].token_ids == want
-    assert default.proposer.regret.last_drafted  # the account saw decode steps
+    assert default.gate.regret.last_drafted  # the account saw decode steps
 
 
 def test_seeded_sampled_output_equals_decoding_without_speculation(target, ngram):
@@ -325,13 +325,14 @@ def test_token_trees_greedy_equal_target_alone_and_pack_as_trees(target):
 def test_tree_depth_is_what_the_gate_expects_acceptance_along():
     """The cost gate prices a tree's window by its nodes but expects acceptance along one path: the depth of
     the first k nodes (BRANCHING's tree: 5 -> 9, 7 -> 3, 6 -> 3, 5 -> 3)."""
-    from engine.prompt_lookup import NgramProposer
+    from engine.spec.gate import Gate
+    from engine.spec.ngram import NgramProposer
     from scheduler.request import Request
     proposer = NgramProposer(dataclasses.replace(NGRAM_TREE, num_speculative_tokens=2))
     r = Request(BRANCHING, SamplingParams(temperature=0))
-    assert proposer.wanted(r, 0) == 7
+    assert Gate(proposer).wanted(r, 0) == 7
     assert [proposer.depth(r, k) for k in range(8)] == [0, 1, 2, 2, 2, 2, 2, 2]
     chain = NgramProposer(NGRAM)
-    assert chain.wanted(r, 0) == 3 and chain.depth(r, 3) == 3
+    assert Gate(chain).wanted(r, 0) == 3 and chain.depth(r, 3) == 3
     capped = Request(BRANCHING, SamplingParams(temperature=0, num_tree_nodes=4))  # a request's node budget
-    assert proposer.wanted(capped, 0) == 4 and proposer.depth(capped, 4) == 2
+    assert Gate(proposer).wanted(capped, 0) == 4 and proposer.depth(capped, 4) == 2

@@ -20,7 +20,8 @@ from checkpoints import LoadedModel, Tokenizer
 from checkpoints.resolve import random_params
 from engine import Engine, EngineConfig
 from engine.sampler import filter_logits
-from engine.adaptive import AdaptiveSpeculation, SpeculationConfig
+from engine.spec.acceptance import AdaptiveSpeculation
+from engine.spec.config import SpeculationConfig
 from model.config import get_preset
 from model.llama import Llama
 from scheduler.request import InvalidRequestError, SamplingParams
@@ -243,13 +244,13 @@ def test_seeded_requests_adapt_on_their_own_history_only():
 def test_bad_draft_is_switched_off_and_then_skipped(target, plain):
     unrelated = _model(seed=7, scale=4.0)
     engine = Engine(target, CFG, draft=unrelated, speculation=SpeculationConfig(4, retry_after_steps=10**6))
-    engine.proposer.costs = None  # the policy's floor alone: the cost gate's choices depend on measured timings
+    engine.gate.costs = None  # the policy's floor alone: the cost gate's choices depend on measured timings
     ks = []
     engine.on_step = lambda timing: ks.append(timing.spec_k)
     greedy = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)] * 3
     outs = _run(engine, PROMPTS[:3], greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _run(plain, PROMPTS[:3], greedy)]
-    assert engine.proposer.policy.class_k("default") == 0
+    assert engine.gate.policy.class_k("default") == 0
     assert all(o.num_draft_tokens < 4 * 4 for o in outs)  # off after a few verify steps
     assert 4 in ks and set(ks) <= {None, 0, 1, 2, 4}  # K = 4 was tried, then halved
     # Once off, steps run the target alone (the draft is skipped) and the requests stay off.
@@ -282,4 +283,4 @@ def test_samples_of_an_n_request_keep_its_class(spec):
     spec.add_request(PROMPTS[1], sp, request_class="n-class")
     while spec.has_unfinished():
         spec.step()
-    assert spec.proposer.policy.classes["n-class"].good > 0  # the samples' verify steps were counted for the class
+    assert spec.gate.policy.classes["n-class"].good > 0  # the samples' verify steps were counted for the class

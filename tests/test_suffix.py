@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from engine import Engine, EngineConfig
-from engine.adaptive import SpeculationConfig
-from engine.suffix_proposer import MAX_DEPTH, MAX_MATCH
+from engine.spec.config import SpeculationConfig
+from engine.spec.suffix import MAX_DEPTH, MAX_MATCH
 from scheduler.request import SamplingParams
-from scheduler.suffix import SuffixCache, SuffixTrie
+from engine.spec.suffix import SuffixCache, SuffixTrie
 from tests.test_speculative import PROMPTS, _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
 
 SUFFIX = SpeculationConfig(8, min_acceptance=0.0, method="suffix", tree_nodes=8)

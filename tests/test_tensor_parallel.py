@@ -51,7 +51,7 @@ def test_logits_and_greedy_tokens_equal_one_device():
         from flax import nnx
         from checkpoints import LoadedModel, load_model
         from engine import Engine, EngineConfig
-        from engine.adaptive import SpeculationConfig
+        from engine.spec.config import SpeculationConfig
         from engine.step import tensor_parallel_mesh
         from model.llama import Llama
         from scheduler.request import SamplingParams

@@ -169,7 +169,7 @@ def test_tree_window_through_the_model_equals_each_path_as_a_chain(attention):
     from flax import nnx
 
     from engine.step import KVPool, cpu_paged_attention, paged_attend
-    from engine.tree_verify import move_path_kv, tree_masks
+    from engine.spec.tree_verify import move_path_kv, tree_masks
     from model.config import get_preset
     from model.llama import Llama
 

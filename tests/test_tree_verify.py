@@ -1,4 +1,4 @@
-"""Token-tree verification (engine/tree_verify.py): masks and depths, greedy paths, the statistical exactness
+"""Token-tree verification (engine/spec/tree_verify.py): masks and depths, greedy paths, the statistical exactness
 of multi-candidate speculative sampling, the coupled verify of deterministic trees, and moving the accepted
 path's KV into place.
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.sampler import filter_logits, sample
-from engine.tree_verify import move_path_kv, tree_masks, verify_tree, verify_tree_coupled
+from engine.spec.tree_verify import move_path_kv, tree_masks, verify_tree, verify_tree_coupled
 from tests.test_verify import ALPHA, N, _chi2_pvalue, _settings
 
 V = 4

@@ -1,4 +1,4 @@
-"""Speculative verification (engine/verify.py): exactness of the emitted distribution, greedy
+"""Speculative verification (engine/spec/verify.py): exactness of the emitted distribution, greedy
 rows, filtering order, and agreement with the plain sampler.
 
 Statistical power. Every distribution test uses Pearson's chi-square at
@@ -18,7 +18,7 @@ import pytest
 from scipy import stats
 
 from engine.sampler import filter_logits, sample
-from engine.verify import sample_draft, verify
+from engine.spec.verify import sample_draft, verify
 
 ALPHA = 1e-3
 N = 60_000

@@ -112,7 +112,7 @@ class Metrics:
         self.class_tokens_per_second = prom.Gauge(
             "engine_spec_class_tokens_per_second", "Per request class: tokens per second of its decode steps "
             "(its share of each step's time, decayed over its recent steps) with the proposer drafting, and "
-            "off: what the cost gate's regret account weighs (engine.adaptive.DraftRegret).",
+            "off: what the cost gate's regret account weighs (engine.spec.costs.DraftRegret).",
             ["request_class", "proposer"], registry=r)
         self.suffix_cache_tokens = prom.Gauge(
             "engine_spec_suffix_cache_tokens", "Suffix decoding: tokens of earlier requests its global tries keep "
@@ -158,10 +158,10 @@ class Metrics:
         cache = getattr(proposer, "cache", None)  # suffix decoding's memory of earlier outputs
         if cache is not None:
             self.suffix_cache_tokens.set(cache.num_tokens)
-        if proposer is not None:
-            for (name, drafted), rate in proposer.regret.tokens_per_second().items():
+        if engine.gate.enabled:
+            for (name, drafted), rate in engine.gate.regret.tokens_per_second().items():
                 self.class_tokens_per_second.labels(name, proposer.kind if drafted else "off").set(rate)
-            for name, drafted in proposer.regret.last_drafted.items():
+            for name, drafted in engine.gate.regret.last_drafted.items():
                 self.class_proposer.labels(name, proposer.kind).set(float(drafted))
                 self.class_proposer.labels(name, "off").set(float(not drafted))
 

@@ -279,8 +279,8 @@ class GenerationServicer:
         _check_request(request)
 
     def _speculation_kinds(self) -> list[str]:
-        proposer = self.worker.engine.proposer
-        return [proposer.kind] if proposer is not None else []
+        engine = self.worker.engine
+        return [engine.proposer.kind] if engine.gate.enabled else []
 
     def _speculation(self, spec: pb.Speculation) -> dict:
         """The request's `num_speculative_tokens` and `num_tree_nodes` (None: the engine's choice), as
@@ -411,8 +411,8 @@ class GenerationServicer:
             max_logprobs=MAX_LOGPROBS, has_chat_template=bool(self.tokenizer.chat_template),
             block_size=engine.config.block_size, num_blocks=engine.blocks.num_blocks,
             max_num_seqs=engine.config.max_num_seqs, max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            num_speculative_tokens=0 if proposer is None else proposer.config.num_speculative_tokens,
-            num_tree_nodes=0 if proposer is None else proposer.config.tree_nodes,
+            num_speculative_tokens=proposer.config.num_speculative_tokens,
+            num_tree_nodes=proposer.config.tree_nodes,
             max_stop_strings=engine.config.max_stop_strings, max_stop_chars=engine.config.max_stop_chars)
 
 

@@ -32,7 +32,7 @@ draws it):
   realised with the sampler's own draws, so the output equals decoding
   without speculation, seeded rows included.
 
-Randomness is keyed as in `engine.verify`: acceptance uniforms by
+Randomness is keyed as in `engine.spec.verify`: acceptance uniforms by
 (seed, ACCEPT_STREAM, position, node), the final draw by (seed, position)
 as `engine.sampler.sample`; positions only grow along the emitted sequence,
 so no key is used twice.
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.sampler import argmax, draw, filter_logits
-from engine.verify import ACCEPT_STREAM
+from engine.spec.verify import ACCEPT_STREAM
 from model import numerics
 
 MAX_TREE_NODES = 32  # one int32 word of mask bits (pallas_kernels.reference.TREE_WINDOW)

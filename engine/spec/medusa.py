@@ -3,28 +3,34 @@
 Source: Cai et al. 2024, *Medusa* (§2.1 heads, §2.1.2 tree attention).
 """
 
+
 from __future__ import annotations
 
-import numpy as np
+import functools
+from collections.abc import Callable
+
+import jax.numpy as jnp
 from flax import nnx
 
-from engine.adaptive import SpeculationConfig
-from engine.proposers import DraftModelProposer, Proposer
-from engine.speculative import FeaturePool, make_medusa_step
-from engine.step import Weights, kernel_layout
+import numpy as np
+
+from engine.spec.config import SpeculationConfig
+from engine.spec.draft import DeviceProposer
+from engine.step import KVPool, StepBatch, Weights, kernel_layout, step_program
 from model import medusa
 from scheduler.packing import tree_depths
 from scheduler.request import Request
 from scheduler.scheduler import StepPlan
+from engine.spec.programs import (FeaturePool, SpecBatch, features_before, target_verify_tree)
 
 
-class MedusaProposer(DraftModelProposer):
+class MedusaProposer(DeviceProposer):
     """Medusa heads (`model.medusa.MedusaHeads`) guessing from the target's features, inside the step program.
 
     Every drafting row verifies the same static tree (`model.medusa.medusa_tree`
     from the heads' measured top-i accuracies: `tree_nodes` nodes, or without
     trees the chain of each head's top token), its tokens filled on the device
-    from the heads' candidates (`engine.speculative.make_medusa_step`). The
+    from the heads' candidates (`engine.spec.medusa.make_medusa_step`). The
     target's hidden state at every KV slot is kept in a `FeaturePool`; a step
     without the heads' program leaves it behind for its requests, which then
     stop drafting (as with a draft model). The candidates are a deterministic
@@ -48,7 +54,7 @@ class MedusaProposer(DraftModelProposer):
     def __init__(self, heads, config: SpeculationConfig, target_config, engine_config=None):
         if medusa.W not in heads.params:
             raise ValueError(f"{heads.config.name} are not Medusa heads (no {medusa.W})")
-        Proposer.__init__(self, config)
+        super().__init__(config)
         module = medusa.MedusaHeads(target_config, heads.params)
         layout = engine_config and kernel_layout(
             engine_config, engine_config.draft_kernel_dtype or heads.stored_dtype or target_config.dtype)
@@ -64,15 +70,10 @@ class MedusaProposer(DraftModelProposer):
             self.parents, heads_of, ranks = list(range(n)), list(range(n)), [0] * n
         self.tree = (tuple(heads_of), tuple(ranks))
         self._depths = tree_depths(np.array([-1, *self.parents]), self.kind)
-        self._behind: set[str] = set()
 
-    def wanted(self, request: Request, step: int) -> int:
+    def proposal_len(self, request: Request, k: int) -> int:
         """The tree's first nodes up to the first one deeper than the policy's K (which a request's own
-        `num_speculative_tokens` caps), at most the request's `num_tree_nodes`; 0 once the request's features
-        fell behind."""
-        if request.request_id in self._behind:
-            return 0
-        k = self.policy_k(request, step)
+        `num_speculative_tokens` caps), at most the request's `num_tree_nodes`."""
         deeper = np.flatnonzero(self._depths[1:] > k)
         n = int(deeper[0]) if len(deeper) else len(self.parents)
         return min(n, request.sampling.num_tree_nodes or n)
@@ -95,6 +96,44 @@ class MedusaProposer(DraftModelProposer):
         return FeaturePool.bytes_per_block(self.model_config, block_size)
 
     def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for a tree cut to its first `K` nodes (`engine.speculative.make_medusa_step`)."""
+        """The jitted step for a tree cut to its first `K` nodes (`engine.spec.medusa.make_medusa_step`)."""
         return make_medusa_step(target_graphdef, self.graphdef, attention, K,
                                 (self.tree[0][:K], self.tree[1][:K]))
+
+
+@functools.cache
+def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, attention: Callable,
+                     K: int, tree: tuple[tuple[int, ...], tuple[int, ...]]):
+    """Returns the jitted `step(target_state, heads_state, pool, features, batch, spec)` of Medusa heads
+    (`model.medusa.MedusaHeads`), returning `(sampled, num_emitted, path_rank, pool, features)` as
+    `make_eagle_tree_step` does (a node's rank is its index in the static tree, whose every prefix is the best
+    tree of its size); the pools are donated.
+
+    With `K` > 0, each drafting row's heads read the target's feature at the position before its last real
+    token (the hidden state whose logits gave that token, from the `FeaturePool`) and their candidates fill
+    the static tree `tree` = (heads, ranks) of node 1..K (`model.medusa.medusa_tree`; a cut tree keeps its
+    first nodes); the target then verifies the trees as `make_tree_verify_step` does. Every step writes the
+    target's hidden state at each packed token into the feature pool and moves the accepted paths' features
+    with their KV, so the next step's heads read the feature of the last accepted node. `K = 0` only keeps
+    the feature pool up to date.
+    """
+    heads_of, ranks_of = (jnp.asarray(x, jnp.int32) for x in tree)
+    n = max(tree[1]) + 1 if K else 0
+
+    @step_program(donate_argnums=(2, 3))
+    def step(target_state, heads_state, pool: KVPool, features: FeaturePool, batch: StepBatch, spec: SpecBatch):
+        target = nnx.merge(target_graphdef, target_state)
+        token_ids = batch.token_ids
+        if K:
+            heads = nnx.merge(heads_graphdef, heads_state)
+            S = spec.num_draft.shape[0]
+            prev = features_before(features, batch.block_tables, jnp.arange(S), batch.positions[batch.logits_indices])
+            candidates = heads.candidates(prev, n)  # [S, heads, n]
+            token_ids = token_ids.at[spec.draft_token_index].set(candidates[:, heads_of, ranks_of], mode="drop")
+        B = features.f.shape[2]
+        sampled, num_emitted, pool, hidden, move, path = target_verify_tree(target, pool, batch, spec, token_ids, K,
+                                                                      attention)
+        f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
+        return sampled, num_emitted, path - (path > 0), pool, FeaturePool(move(f))
+
+    return step
