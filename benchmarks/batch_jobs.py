@@ -73,7 +73,7 @@ def rss_mib() -> float:
 
 def run_job(llm, path: str, out_path: str, mode: str = "generate", progress=None) -> tuple[float, object]:
     from engine.batch.io import Resume, Writer, read_lines
-    from engine.batch.runner import BatchJob
+    from engine.batch.job import BatchJob
 
     writer = Writer(out_path, ordered=True, overwrite=True)
     job = BatchJob(llm, mode, writer, FLAGS.max_inflight, None, "smollm2")

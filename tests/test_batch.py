@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.batch.runner import rolling_windows
+from engine.batch.job import rolling_windows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMITS = {"num_blocks": 256, "block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 128,

@@ -1,4 +1,4 @@
-"""The memory plan (`engine.plan`) against the arrays it describes."""
+"""The memory plan (`engine.memory_plan`) against the arrays it describes."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import jax
 import pytest
 from flax import nnx
 
-from engine.plan import memory_plan, shard_shapes
+from engine.memory_plan import memory_plan, shard_shapes
 from model.llama import kv_heads_per_device
 from engine.step import KVPool
 from model.config import get_preset
@@ -53,18 +53,25 @@ def test_llama_3_70b_over_8_devices():
 
 
 def test_command_line_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-70b", "--tensor_parallel_size=8",
+    out = subprocess.run([sys.executable, "-m", "engine.memory_plan", "--model=llama-3-70b", "--tensor_parallel_size=8",
                           "--dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| weights | 16.43 GiB |" in out.stdout and "| KV per token | 40.0 KiB |" in out.stdout
     assert "| 8192 | 177 |" in out.stdout
 
 
+def test_the_old_module_name_still_prints_the_plan_with_a_deprecation_message():
+    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-70b", "--tensor_parallel_size=8",
+                          "--dtype=bfloat16"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "| 8192 | 177 |" in out.stdout, out.stderr[-2000:]
+    assert "engine.plan is deprecated: use python -m engine.memory_plan" in out.stderr
+
+
 def test_command_line_rejects_a_split_that_does_not_divide():
-    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-70b", "--tensor_parallel_size=3"],
+    out = subprocess.run([sys.executable, "-m", "engine.memory_plan", "--model=llama-3-70b", "--tensor_parallel_size=3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "multiples of tensor_parallel_size 3" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=no-such-model"],
+    out = subprocess.run([sys.executable, "-m", "engine.memory_plan", "--model=no-such-model"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "unknown model preset" in out.stderr
 
@@ -76,13 +83,13 @@ def test_command_line_rejects_a_split_that_does_not_divide():
                                            ("--device_memory_gib=0", "device_memory_gib must be in"),
                                            ("--device_memory_gib=inf", "device_memory_gib must be in")])
 def test_command_line_rejects_bad_numbers(flag, message):
-    out = subprocess.run([sys.executable, "-m", "engine.plan", "--model=llama-3-8b", flag],
+    out = subprocess.run([sys.executable, "-m", "engine.memory_plan", "--model=llama-3-8b", flag],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-1000:]
 
 
 def test_command_line_reports_a_bad_config(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
-    out = subprocess.run([sys.executable, "-m", "engine.plan", f"--model={tmp_path}"],
+    out = subprocess.run([sys.executable, "-m", "engine.memory_plan", f"--model={tmp_path}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "lacks the field 'num_attention_heads'" in out.stderr, out.stderr[-1000:]

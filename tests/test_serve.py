@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -120,6 +121,23 @@ def test_tokenize_detokenize_roundtrip(client, llm):
     with pytest.raises(grpc.RpcError) as e:
         client.detokenize([300])
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[0, 256)" in e.value.details()
+
+
+def test_command_line_client_tokenizes_and_generates_what_the_engine_does(server, llm, tmp_path):
+    """`python -m engine.query` against the server: token ids, and greedy text equal to offline generation;
+    the old name `engine.client` runs the same with a deprecation message."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    base = ["--target", server.target, "--auth_token_file", str(token_file)]
+    out = subprocess.run([sys.executable, "-m", "engine.query", *base, "--tokenize", "hi"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[104, 105]", out.stderr[-2000:]
+    want = _offline(server, llm, ["abc"], SamplingParams(temperature=0, max_tokens=6))[0]
+    out = subprocess.run([sys.executable, "-m", "engine.client", *base, "--prompt", "abc", "--temperature", "0",
+                          "--max_tokens", "6"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "engine.client is deprecated: use python -m engine.query" in out.stderr
+    assert out.stdout == want.text and f"completion_tokens={len(want.token_ids)}]" in out.stderr
 
 
 def test_score_matches_offline(server, client, llm):

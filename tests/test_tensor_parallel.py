@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from engine import LLM
-from engine.plan import memory_plan
+from engine.memory_plan import memory_plan
 from engine.step import KVPool, StepBatch, make_step
 from model.config import get_preset
 from model.llama import TP_AXIS, abstract_model, check_tensor_parallel
@@ -104,7 +104,7 @@ def test_sharded_pool_and_weights_hold_the_planned_bytes_and_compile_once():
         import jax, numpy as np
         from flax import nnx
         from engine import LLM
-        from engine.plan import memory_plan
+        from engine.memory_plan import memory_plan
         from model.llama import Llama
         from scheduler.request import SamplingParams
 

@@ -96,7 +96,7 @@ def main(argv):
     if lead and not os.path.exists(FLAGS.input):
         return _fail_usage(f"no input file {FLAGS.input}")
     from engine.batch.io import Discard, OutputError, Resume, Writer, read_lines, read_resume
-    from engine.batch.runner import BatchJob
+    from engine.batch.job import BatchJob
 
     if os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
         return _fail_usage("--output must not be the input file")

@@ -5,7 +5,7 @@
       for msg in c.generate_stream("The capital of France is", max_tokens=16, temperature=0):
           print(msg.text, end="", flush=True)
 
-Its command line is `python -m engine.client`.
+Its command line is `python -m engine.query`.
 
 Sampling keywords are `SamplingParams` fields of the .proto (temperature,
 top_k, top_p, min_p, seed, max_tokens, stop, stop_token_ids, logprobs,
