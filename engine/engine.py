@@ -70,7 +70,7 @@ class Engine:
       config: engine limits.
       draft: a `LoadedModel` of a draft model, an EAGLE head or Medusa heads for
         the target, for speculation methods "draft", "eagle" and "medusa".
-      speculation: the proposer, K and the adaptive-speculation settings (None:
+      speculation: the proposer, G and the adaptive-speculation settings (None:
         the method `draft` is for, with a draft, else no speculation).
     Raises:
       ValueError: bad limits, a draft whose vocabulary differs, or method "draft" / "eagle" / "medusa"
@@ -157,7 +157,7 @@ class Engine:
 
         `priority`: lower values are admitted first and preempted last.
         `cache_salt`: requests share prefix-cache entries only with the same salt.
-        `request_class`: speculation adapts K to the acceptance rate per class.
+        `request_class`: speculation adapts G to the acceptance rate per class.
         """
         if not isinstance(request_class, str):
             raise InvalidRequestError(f"request_class must be a string, got {request_class!r}")
@@ -201,6 +201,7 @@ class Engine:
         """Drops the engine's bookkeeping of a finished request."""
         del self._states[request.request_id]
         self.gate.finish(request)
+        self.runner.forget(request.request_id)
         if request.parent is not None:
             parent_id = request.parent.request_id
             if all(c.finished for c in self._samples[parent_id]):
@@ -222,12 +223,26 @@ class Engine:
         return self.stats.num_steps
 
     def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request that got new tokens or finished."""
+        """Runs one step (schedule -> run -> update); returns an output for every request that got new tokens or
+        finished."""
         if self._ahead is not None or self._runs_ahead():
             return self._step_ahead()
-        timing = StepTiming()
+        timing, compiled = StepTiming(), compilation_count()
+        plan = self._schedule(timing)
+        outputs, num_emitted = [], None
+        if plan.seqs:
+            result = self._run(plan, timing)
+            t = time.perf_counter()
+            outputs = self._update(plan, result)
+            timing.update = time.perf_counter() - t
+            if result.num_emitted is not None:
+                num_emitted = result.num_emitted[:len(plan.seqs)].tolist()
+        self._account(plan if plan.seqs else None, timing, compiled, num_emitted)
+        return outputs
+
+    def _schedule(self, timing: StepTiming) -> StepPlan:
+        """The gate picks draft lengths, the scheduler plans the step, the runner applies its block operations."""
         t0 = time.perf_counter()
-        compiled = compilation_count()
         if self.gate.enabled:  # (only speculation's host time counts as `propose`)
             if self._gate_asked_at != self.num_steps:  # `_runs_ahead` asked it on these tokens already
                 self.gate.begin_step(self.scheduler.decodes(), self.num_steps)
@@ -237,44 +252,46 @@ class Engine:
         self.runner.apply_block_ops(plan)
         for parent, children in plan.forks:
             self._fork(parent, children)
-        t2 = time.perf_counter()
-        timing.schedule, timing.block_ops = t1 - t0 - timing.propose, t2 - t1
-        outputs = []
-        if plan.seqs:
-            proposals, parents = None, None
-            K = self.gate.spec_k(plan, self.num_steps)
-            if K:
-                proposals, parents = self.proposer.proposals(plan), self.proposer.tree_parents(plan)
-            if self.gate.enabled:
-                timing.propose += time.perf_counter() - t2
-            t3 = time.perf_counter()
-            packed = self.runner.pack(plan, {s.request.request_id: self._states[s.request.request_id].seed
-                                             for s in plan.seqs}, K, proposals, parents)
-            timing.pack = time.perf_counter() - t3
-            result = self.runner.run(packed, K, timing)
-            t4 = time.perf_counter()
-            outputs = self._update(plan, result)
-            timing.update = time.perf_counter() - t4
+        timing.schedule, timing.block_ops = t1 - t0 - timing.propose, time.perf_counter() - t1
+        return plan
+
+    def _run(self, plan: StepPlan, timing: StepTiming) -> StepOutput:
+        """The step's program (`Gate.spec_k`) and a host proposer's drafts, packed and run."""
+        t0 = time.perf_counter()
+        proposals, parents = None, None
+        G = self.gate.spec_k(plan, self.num_steps)
+        if G:
+            proposals, parents = self.proposer.proposals(plan), self.proposer.tree_parents(plan)
+        t1 = time.perf_counter()
+        if self.gate.enabled:
+            timing.propose += t1 - t0
+        seeds = {s.request.request_id: self._states[s.request.request_id].seed for s in plan.seqs}
+        packed = self.runner.pack(plan, seeds, G, proposals, parents)
+        timing.pack = time.perf_counter() - t1
+        return self.runner.run(packed, G, timing)
+
+    def _account(self, plan: StepPlan | None, timing: StepTiming, compiled: int,
+                 num_emitted: list[int] | None) -> None:
+        """Books a step that ran `plan` (None: nothing ran): its timing into `stats` and `on_step`, and, unless a
+        program compiled during it (`compiled`: the count before), its cost into the gate's measurements."""
         timing.propose, self._gate_seconds = timing.propose + self._gate_seconds, 0.0
         self.stats.add(timing)
         seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
         if compiled:
             release_if_near_limit(len(self.runner.spec_ks))
-        elif plan.seqs:
-            self.gate.observe(plan, timing.num_tokens, timing.num_seqs, timing.spec_k, seconds,
-                              None if result.num_emitted is None else result.num_emitted[:len(plan.seqs)].tolist())
-        if plan.seqs and self.on_step is not None:
+        elif plan is not None:
+            self.gate.observe(plan, timing.num_tokens, timing.num_seqs, timing.spec_k, seconds, num_emitted)
+        if plan is not None and self.on_step is not None:
             self.on_step(timing)
-        return outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
         """One step under async scheduling (vLLM's async scheduling, SGLang's overlap scheduler): the next step
         is scheduled, packed and dispatched before this one's tokens are read back, so the host's work runs while
         the device computes. The next step takes this one's sampled tokens on the device (`make_step`'s feed); a
         request that this step ends (EOS, a stop string) has a row there that is dropped, and one that its
-        `max_tokens` or the context limit ends is not scheduled again."""
-        timing = StepTiming()
-        compiled = compilation_count()
+        `max_tokens` or the context limit ends is not scheduled again. The gate learns what a plain step costs
+        here, host work hidden: what its drafts must beat."""
+        timing, compiled = StepTiming(), compilation_count()
         if self._ahead is None:
             self._ahead = self._dispatch_ahead(timing, None)
         current, self._ahead = self._ahead, None
@@ -288,16 +305,7 @@ class Engine:
             outputs = self._collect(plan, result)
             timing.update = time.perf_counter() - t
             timing.num_tokens, timing.num_seqs = flight.num_tokens, flight.num_seqs
-        timing.propose, self._gate_seconds = timing.propose + self._gate_seconds, 0.0
-        self.stats.add(timing)
-        seconds, compiled = agree_on_timing(timing.total, compilation_count() != compiled)
-        if compiled:
-            release_if_near_limit(len(self.runner.spec_ks))
-        elif current is not None:
-            # What a plain step costs here, host work hidden: what the gate's drafts must beat.
-            self.gate.observe(current[0], timing.num_tokens, timing.num_seqs, None, seconds, None)
-        if current is not None and self.on_step is not None:
-            self.on_step(timing)
+        self._account(current[0] if current is not None else None, timing, compiled, None)
         return outputs
 
     def _runs_ahead(self) -> bool:
@@ -372,11 +380,9 @@ class Engine:
             if s.num_draft:
                 r.num_draft_tokens += s.num_draft
                 r.num_accepted_tokens += accepted[i]
-                depth = self.proposer.depth(r, s.num_draft)  # a tree's path positions
-                self.stats.add_verify(depth, accepted[i])
-                self.gate.record(r, depth, accepted[i], self.num_steps)
-                if result.path_rank is not None:
-                    self.gate.record_tree(r, s.num_draft, result.path_rank[i, :accepted[i]])
+                ranks = None if result.path_rank is None else result.path_rank[i, :accepted[i]]
+                self.stats.add_verify(self.gate.verified(r, s.num_draft, accepted[i], ranks, self.num_steps),
+                                      accepted[i])
             n = r.sampling.logprobs
             emitted = result.tokens[i, :result.num_emitted[i]].tolist()
             logprobs = [_logprob_entry(result.sampled, i, j, n) for j in range(len(emitted))] if n is not None else None

@@ -30,9 +30,9 @@ flags.DEFINE_enum("speculative", "auto", ["auto", "eagle", "medusa", "draft", "n
                   "(checkpoints.draft.AUTO_SPECULATION: ngram for SmolLM2), else off.")
 flags.DEFINE_string("draft_model", None, "Draft model, EAGLE head or Medusa heads (bundled name or path); default: the "
                     "model's own.")
-flags.DEFINE_integer("num_speculative_tokens", None, "Most draft tokens per verify step (K; default 4, or auto's).")
+flags.DEFINE_integer("num_speculative_tokens", None, "Most draft tokens per verify step (G; default 4, or auto's).")
 flags.DEFINE_integer("num_tree_nodes", None, "0: chains of draft tokens; else token trees of at most this many "
-                     "nodes (1..31), each path at most K deep (ngram: every earlier match's continuation; medusa: the "
+                     "nodes (1..31), each path at most G deep (ngram: every earlier match's continuation; medusa: the "
                      "heads' static sparse tree; eagle: EAGLE-2 dynamic trees). Default 0, or auto's.")
 flags.DEFINE_integer("tree_branching", None, "EAGLE-2 trees: children per expanded node, nodes expanded per level "
                      "(1..8; default 4, or auto's).")

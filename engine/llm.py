@@ -41,11 +41,11 @@ class LLM:
         `draft_model` its kind, else off. Settings passed here override auto's.
       draft_model: the draft, EAGLE head or Medusa heads (bundled name, path, or
         `LoadedModel`); None takes the model's default one.
-      num_speculative_tokens: K, the most draft tokens per verify step
+      num_speculative_tokens: G, the most draft tokens per verify step
         (adaptive speculation lowers it per request class where acceptance is
         low); None: 4 ("suffix": 8), or auto's.
       num_tree_nodes: 0 for chains of draft tokens; else token trees of at most
-        this many nodes (1..31), each path at most K deep ("ngram": the
+        this many nodes (1..31), each path at most G deep ("ngram": the
         continuations of every earlier match, verified in one tree window;
         "medusa": the heads' static sparse tree; "eagle": EAGLE-2 dynamic
         trees; "suffix": the likeliest continuations, 0 the likeliest path); None: 0 ("suffix": 15), or

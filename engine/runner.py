@@ -63,7 +63,7 @@ class StepTiming:
 
     num_tokens: int = 0  # token bucket T (0: nothing ran)
     num_seqs: int = 0  # sequence bucket S
-    spec_k: int | None = None  # None: target only; 0: the draft keeps its KV; K: draft + verify
+    spec_k: int | None = None  # None: target only; 0: the draft keeps its KV; G: draft + verify
     propose: float = 0.0
     schedule: float = 0.0
     block_ops: float = 0.0
@@ -160,11 +160,11 @@ class InFlight:
 class StepOutput:
     """A step's results on the host.
 
-    tokens: int32 `[S, K+1]`, row `s` emits `tokens[s, :num_emitted[s]]`.
+    tokens: int32 `[S, G+1]`, row `s` emits `tokens[s, :num_emitted[s]]`.
     num_emitted: int32 `[S]`.
     sampled: log-probabilities of each slot as a host `Sampled` with
-      `[S, K+1]` leading dims, or None when no request asked for them.
-    path_rank: int32 `[S, K]`, the rank of each accepted token-tree node among
+      `[S, G+1]` leading dims, or None when no request asked for them.
+    path_rank: int32 `[S, G]`, the rank of each accepted token-tree node among
       its row's candidates (-1 past the path; `engine.spec.eagle.make_eagle_tree_step`),
       or None (chains, host proposers).
     """
@@ -227,6 +227,8 @@ class ModelRunner:
         # The target's KV pool, then the proposer's pools (a draft's KV; an EAGLE head's KV and features).
         self.pools: tuple = (KVPool.zeros(cfg, num_blocks, B, self.mesh),
                              *replicate(proposer.pools(num_blocks, B), self.mesh))
+        # Host copies of swapped-out requests' KV blocks (every pool's), by request id, until swapped back in.
+        self.swapped_kv: dict[str, tuple] = {}
         # The compiled shapes: every program is specialised to one of these.
         self.token_buckets = power_of_two_buckets(config.max_num_batched_tokens)
         self.seq_buckets = power_of_two_buckets(config.max_num_seqs)
@@ -235,11 +237,11 @@ class ModelRunner:
         self._step = make_step(self.graphdef, self._attention)
         # The last plain step's sampled tokens, on the device (`make_step`'s feed; zeros before the first).
         self._fed = replicate(jax.device_put(np.zeros(self.seq_buckets[-1], np.int32)), self.mesh)
-        # The speculative programs by K, looked up here: their makers' caches hash the model graphs, which
+        # The speculative programs by G, looked up here: their makers' caches hash the model graphs, which
         # took ~4 ms of host time a step.
         self._spec_steps: dict[int, Callable] = {}
         self._score_step = make_score_step(self.graphdef, self._attention)
-        # Programs by (K or "score", the batch layouts), called compiled: no tracing on a shape's first use.
+        # Programs by (G or "score", the batch layouts), called compiled: no tracing on a shape's first use.
         self.programs = Programs((cfg, config, getattr(self._attention, "__qualname__", self._attention),
                                   repr(self.graphdef), proposer.program_key))
 
@@ -250,7 +252,7 @@ class ModelRunner:
 
     @property
     def spec_ks(self) -> list[int | None]:
-        """The step programs per shape: target only, each of the proposer's `program_ks`, and K = 0 with a
+        """The step programs per shape: target only, each of the proposer's `program_ks`, and G = 0 with a
         device proposer (it keeps the draft's KV in step)."""
         return [None, *([0] if self.proposer.on_device else []), *self.proposer.program_ks]
 
@@ -273,7 +275,7 @@ class ModelRunner:
         (`StepOutput`).
 
         `spec_k` None runs the target alone (num_emitted is None: one token
-        per row); otherwise the draft + verify program for that K
+        per row); otherwise the draft + verify program for that G
         (`engine.spec.draft.make_spec_step`), or the verify program of a host
         proposer (`make_verify_step`; `make_tree_verify_step` for token trees). The pools are donated and
         replaced.
@@ -352,9 +354,9 @@ class ModelRunner:
         """Swap out, swap in, then copy-on-write copies, before the step writes anything."""
         for request, blocks in plan.swap_out:
             kv = self._block_op(gather_blocks, self.pools, self._block_ids(blocks))
-            request.swapped_kv = jax.tree.map(lambda x: np.asarray(x)[:, :len(blocks)], kv)
+            self.swapped_kv[request.request_id] = jax.tree.map(lambda x: np.asarray(x)[:, :len(blocks)], kv)
         for request, blocks in plan.swap_in:
-            kv, request.swapped_kv = request.swapped_kv, None
+            kv = self.swapped_kv.pop(request.request_id)
             ids = self._block_ids(blocks)
             pad = [(0, 0), (0, len(ids) - len(blocks))] + [(0, 0)] * 3
             self.pools = self._block_op(scatter_blocks, self.pools, ids, jax.tree.map(lambda x: np.pad(x, pad), kv))
@@ -362,6 +364,10 @@ class ModelRunner:
             src = self._block_ids([c.src for c in plan.copies])
             dst = self._block_ids([c.dst for c in plan.copies])
             self.pools = self._block_op(copy_blocks, self.pools, src, dst)
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: drops its host copy of swapped-out KV, if any."""
+        self.swapped_kv.pop(request_id, None)
 
     def _block_op(self, fn, pools, ids: np.ndarray, *rest):
         """`fn(pools, ids, *rest)` (`rest`: host arrays, as `ids`) through `programs`, kept with the step
@@ -452,19 +458,19 @@ class ModelRunner:
         # Compiled ahead of time (never run: a 512-token step takes ~0.6 s) on a thread per CPU (XLA compiles
         # without the GIL: ~1.3x faster on 2 CPUs), or loaded (`engine.programs`).
         def compile_ahead(job) -> None:
-            T, S, K = job
-            packed = self.padding_batch(T, S if K != "score" else self._score_seqs, None if K == "score" else K)
+            T, S, G = job
+            packed = self.padding_batch(T, S if G != "score" else self._score_seqs, None if G == "score" else G)
             batch = to_device(StepBatch, packed)
-            if K == "score":
+            if G == "score":
                 key, fn, args = ("score", batch.layout), self._score_step, (self.state, self.pools[0], batch,
                                                                             np.zeros(T, np.int32))
             else:
-                key, fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if K is not None else None, K,
+                key, fn, args = self._program(batch, to_device(SpecBatch, packed.spec) if G is not None else None, G,
                                               packed.feed_index)
             self.programs.get(key, fn, args)
             tick()
 
-        jobs = [(T, S, K) for T, S in shapes for K in self.spec_ks] + [(T, None, "score") for T in score]
+        jobs = [(T, S, G) for T, S in shapes for G in self.spec_ks] + [(T, None, "score") for T in score]
         with concurrent.futures.ThreadPoolExecutor(min(os.cpu_count() or 1, 4)) as pool:
             list(pool.map(compile_ahead, jobs))
         for n in block_ops:

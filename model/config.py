@@ -2,7 +2,9 @@
 
 Shape letters used across the project: T tokens, S sequences, L layers,
 E hidden (embedding) size, F MLP size, H query heads, K KV heads, D head dim,
-V vocab, P blocks (pages), B block size.
+V vocab, P blocks (pages), B block size; in speculative decoding G draft
+tokens per row (a step program's draft length, Leviathan et al.'s gamma; a
+token tree's node count) and N a token tree's window nodes (G + 1).
 """
 
 from __future__ import annotations

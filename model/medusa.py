@@ -2,7 +2,7 @@
 
 Source: Cai et al. 2024, *Medusa: Simple LLM Inference Acceleration Framework
 with Multiple Decoding Heads*, §2.1 (Medusa-1: the target stays frozen).
-Head k (1..K) reads the target's final hidden state h_t (after the final norm,
+Head k (1..G) reads the target's final hidden state h_t (after the final norm,
 what its LM head reads) at the position whose logits gave the pending token
 x_{t+1}, and guesses x_{t+1+k}:
 
@@ -29,9 +29,9 @@ from flax import nnx
 from model.config import ModelConfig
 from model.packed import keep_packed, packed_product, packed_weight
 
-W = "medusa_w"  # float `[K, E, E]`
-B = "medusa_b"  # float `[K, E]`
-ACCURACY = "medusa_accuracy"  # float32 `[K, n]`: P(head k's rank-i token is the target's), held-out
+W = "medusa_w"  # float `[G, E, E]`
+B = "medusa_b"  # float `[G, E]`
+ACCURACY = "medusa_accuracy"  # float32 `[G, n]`: P(head k's rank-i token is the target's), held-out
 HEAD_IDS = "head_ids"  # int32 `[Vh]`, ascending: the tokens the heads can guess
 READOUT = "medusa_readout"  # `[V, E]`: the target's output head (not stored: `target_readout`)
 
@@ -42,7 +42,7 @@ def target_readout(cfg: ModelConfig, params: dict[str, np.ndarray]) -> np.ndarra
 
 
 class MedusaHeads(nnx.Module):
-    """K Medusa heads for one target.
+    """G Medusa heads for one target.
 
     Args:
       cfg: the target's config (width, dtype).
@@ -57,8 +57,8 @@ class MedusaHeads(nnx.Module):
         if missing:
             raise ValueError(f"Medusa heads need {missing}")
         w, b, ids = np.asarray(params[W]), np.asarray(params[B]), np.asarray(params[HEAD_IDS])
-        K = w.shape[0]
-        if w.shape != (K, E, E) or b.shape != (K, E) or np.asarray(params[ACCURACY]).shape[0] != K:
+        G = w.shape[0]
+        if w.shape != (G, E, E) or b.shape != (G, E) or np.asarray(params[ACCURACY]).shape[0] != G:
             raise ValueError(f"Medusa heads of width {E}: {W} {w.shape}, {B} {b.shape}, "
                              f"{ACCURACY} {np.asarray(params[ACCURACY]).shape}")
         if ids.ndim != 1 or len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= cfg.vocab_size:
@@ -76,12 +76,12 @@ class MedusaHeads(nnx.Module):
         return self.w.shape[0]
 
     def pack_linears(self, dtype: str, max_rows: int, amx_passes: int | None, isa: str = "") -> int:
-        """Keeps the heads' projections (as one `[E, K E]` weight) and their readout (`[E, Vh]`) in the native
+        """Keeps the heads' projections (as one `[E, G E]` weight) and their readout (`[E, Vh]`) in the native
         CPU kernels' layouts (`engine.step.kernel_layout`'s arguments: AMX tiles with `amx_passes`, else the
         skinny kernel's panels in `dtype`), so `logits` runs its two products there instead of XLA's dot (1.3 ms
         a step for SmolLM2's 8,192-token readout). Returns the bytes the copies take."""
-        K, E = self.w.shape[:2]
-        proj = np.asarray(self.w[...], np.float32).transpose(1, 0, 2).reshape(E, K * E)
+        G, E = self.w.shape[:2]
+        proj = np.asarray(self.w[...], np.float32).transpose(1, 0, 2).reshape(E, G * E)
         self.kernel_rows = 0 if amx_passes else max_rows
         return (keep_packed(self, "proj", proj, dtype, amx_passes, isa=isa)
                 + keep_packed(self, "readout", np.asarray(self.head[...], np.float32).T, dtype, amx_passes, isa=isa))
@@ -91,23 +91,23 @@ class MedusaHeads(nnx.Module):
         return packed_product(x, packed_weight(self, name, n))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 `[N, K, Vh]`: each head's logits over `head_ids` from hidden states `[N, E]`."""
-        N, (K, E) = hidden.shape[0], self.w.shape[:2]
+        """float32 `[N, G, Vh]`: each head's logits over `head_ids` from hidden states `[N, E]`."""
+        N, (G, E) = hidden.shape[0], self.w.shape[:2]
         rows = getattr(self, "kernel_rows", None)  # 0: AMX, any row count
-        if rows is None or N * K > rows > 0:
+        if rows is None or N * G > rows > 0:
             return medusa_logits(self.w[...], self.b[...], self.head[...], hidden)
         h = hidden.astype(jnp.float32)
-        z = h[:, None, :] + jax.nn.silu(self._product(h, "proj", K * E).reshape(N, K, E) + self.b[...][None])
-        return self._product(z.reshape(N * K, E), "readout", self.head.shape[0]).reshape(N, K, -1)
+        z = h[:, None, :] + jax.nn.silu(self._product(h, "proj", G * E).reshape(N, G, E) + self.b[...][None])
+        return self._product(z.reshape(N * G, E), "readout", self.head.shape[0]).reshape(N, G, -1)
 
     def candidates(self, hidden: jax.Array, n: int) -> jax.Array:
-        """int32 `[N, K, n]`: each head's `n` most likely tokens, most likely first."""
+        """int32 `[N, G, n]`: each head's `n` most likely tokens, most likely first."""
         _, idx = jax.lax.top_k(self.logits(hidden), n)
         return self.head_ids[...][idx]
 
 
 def medusa_logits(w: jax.Array, b: jax.Array, head: jax.Array, hidden: jax.Array) -> jax.Array:
-    """float32 `[N, K, Vh]` = (h + SiLU(h W_k + b_k)) @ head.T for weights `w` `[K, E, E]`, `b` `[K, E]`,
+    """float32 `[N, G, Vh]` = (h + SiLU(h W_k + b_k)) @ head.T for weights `w` `[G, E, E]`, `b` `[G, E]`,
     readout rows `head` `[Vh, E]` and hidden states `hidden` `[N, E]` (the training loss uses it too)."""
     h = hidden.astype(w.dtype)
     z = h[:, None, :] + jax.nn.silu(jnp.einsum("ne,kef->nkf", h, w) + b[None])
@@ -125,8 +125,8 @@ def medusa_tree(accuracy: np.ndarray, num_nodes: int) -> tuple[list[int], list[i
     the most probable nodes first.
 
     Args:
-      accuracy: float `[K, n]`, K heads, n candidates each.
-      num_nodes: nodes below the root (1 .. n + n^2 + ... + n^K).
+      accuracy: float `[G, n]`, G heads, n candidates each.
+      num_nodes: nodes below the root (1 .. n + n^2 + ... + n^G).
     Returns:
       (parents, heads, ranks), lists of `num_nodes` ints: node i's parent (0 the
       root, j the j-th node, 1-based), the head (0-based) and rank its token comes from.
@@ -134,9 +134,9 @@ def medusa_tree(accuracy: np.ndarray, num_nodes: int) -> tuple[list[int], list[i
       ValueError: `num_nodes` outside what the heads can fill.
     """
     accuracy = np.asarray(accuracy, np.float64)
-    K, n = accuracy.shape
-    if not 1 <= num_nodes <= sum(n ** d for d in range(1, K + 1)):
-        raise ValueError(f"a Medusa tree of {K} heads x {n} candidates cannot have {num_nodes} nodes")
+    G, n = accuracy.shape
+    if not 1 <= num_nodes <= sum(n ** d for d in range(1, G + 1)):
+        raise ValueError(f"a Medusa tree of {G} heads x {n} candidates cannot have {num_nodes} nodes")
     parents, heads, ranks = [], [], []
     frontier = [(-accuracy[0, r], (r,), 0) for r in range(n)]  # (-probability, rank path, parent node)
     heapq.heapify(frontier)
@@ -146,7 +146,7 @@ def medusa_tree(accuracy: np.ndarray, num_nodes: int) -> tuple[list[int], list[i
         heads.append(len(path) - 1)
         ranks.append(path[-1])
         node = len(parents)
-        if len(path) < K:
+        if len(path) < G:
             for r in range(n):
                 heapq.heappush(frontier, (neg * accuracy[len(path), r], (*path, r), node))
     return parents, heads, ranks

@@ -79,7 +79,7 @@ class PackedBatch:
 
 @dataclasses.dataclass(frozen=True)
 class SpecArrays:
-    """Where the draft tokens of a speculative step go (K = the step's largest draft length).
+    """Where the draft tokens of a speculative step go (G = the step's largest draft length).
 
     A row with `num_draft = k` packs its last accepted token followed by `k`
     placeholder tokens: a device proposer writes its draft tokens into them; a
@@ -89,11 +89,11 @@ class SpecArrays:
     """
 
     num_draft: np.ndarray  # int32 [S]
-    draft_token_index: np.ndarray  # int32 [S, K]; packed index of placeholder j, T where none (dropped)
-    verify_indices: np.ndarray  # int32 [S, K+1]; packed index of the last real token, then the placeholders
-    draft_slots: np.ndarray  # int32 [K, S]; slot of placeholder j (draft pass j writes there), 0 where none
-    draft_tokens: np.ndarray  # int32 [S, K]; a host proposer's draft tokens (an EAGLE row's n-gram chain, -1 past it), 0 where none
-    parents: np.ndarray  # int32 [S, K+1]; each window node's parent (-1: the root, or none); a chain: i - 1
+    draft_token_index: np.ndarray  # int32 [S, G]; packed index of placeholder j, T where none (dropped)
+    verify_indices: np.ndarray  # int32 [S, G+1]; packed index of the last real token, then the placeholders
+    draft_slots: np.ndarray  # int32 [G, S]; slot of placeholder j (draft pass j writes there), 0 where none
+    draft_tokens: np.ndarray  # int32 [S, G]; a host proposer's draft tokens (an EAGLE row's n-gram chain, -1 past it), 0 where none
+    parents: np.ndarray  # int32 [S, G+1]; each window node's parent (-1: the root, or none); a chain: i - 1
     tree_mask: np.ndarray  # int32 [T]; with trees, each token's pallas_kernels.reference.tree_visible mask, else -1
 
 
@@ -104,7 +104,7 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     """Packs `plan` into the smallest (token, sequence) bucket that holds it.
 
     `seeds` maps request id to its (explicit or drawn) 32-bit sampling seed.
-    `spec_k`: the step verifies draft tokens, K (>= every row's `num_draft`)
+    `spec_k`: the step verifies draft tokens, G (>= every row's `num_draft`)
     per row; None for a plain step (no row may have draft tokens).
     `proposals`: a host proposer's draft tokens per drafting request (exactly
     `num_draft` each); None leaves the placeholders to a device proposer.
@@ -130,13 +130,13 @@ def pack(plan: StepPlan, block_size: int, max_blocks_per_seq: int, token_buckets
     min_p = np.zeros(S, np.float32)
     seed_arr = np.zeros(S, np.uint32)
     want_logprobs = np.zeros(S, bool)
-    K = spec_k or 0
+    G = spec_k or 0
     num_draft = np.zeros(S, np.int32)
-    draft_token_index = np.full((S, K), T, np.int32)
-    verify_indices = np.zeros((S, K + 1), np.int32)
-    draft_slots = np.zeros((K, S), np.int32)
-    draft_tokens = np.zeros((S, K), np.int32)
-    tree_parents = np.full((S, K + 1), -1, np.int32)
+    draft_token_index = np.full((S, G), T, np.int32)
+    verify_indices = np.zeros((S, G + 1), np.int32)
+    draft_slots = np.zeros((G, S), np.int32)
+    draft_tokens = np.zeros((S, G), np.int32)
+    tree_parents = np.full((S, G + 1), -1, np.int32)
     tree_mask = np.full(T, -1, np.int32)
     feed_index = np.full(T, -1, np.int32)
     t = 0

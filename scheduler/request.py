@@ -150,7 +150,6 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     parent: Request | None = None  # set on the children of an n > 1 request
     index: int = 0  # sample index among the parent's children
-    swapped_kv: object = None  # host copy of the KV while swapped out (the engine's)
     num_preemptions: int = 0
     num_draft_tokens: int = 0  # proposed by the draft, over the request's life
     num_accepted_tokens: int = 0

@@ -317,7 +317,6 @@ class Scheduler:
         elif request.status is RequestStatus.SWAPPED:
             self.swapped.remove(request)
             self.swap_used_blocks -= cdiv(request.num_computed_tokens, self.blocks.block_size)
-            request.swapped_kv = None
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         if request.allocation is not None:

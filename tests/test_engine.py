@@ -53,6 +53,26 @@ def test_alone_equals_in_batch_and_under_preemption(swap):
     assert small.engine.blocks.num_free_blocks == 9 and sch.swap_used_blocks == 0
 
 
+def test_a_swapped_request_aborted_leaves_no_host_kv_behind():
+    """The runner keeps swapped-out KV by request id: one copy per swapped request, dropped when it is
+    aborted while swapped out, none left once every request is done."""
+    small = LLM("tiny-llama", num_blocks=10, block_size=8, max_num_seqs=8, max_num_batched_tokens=16,
+                swap_space_bytes=1 << 20, swap_threshold_tokens=1, kv_watermark=0.0)
+    engine, greedy = small.engine, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for p in PROMPTS[:5]:
+        engine.add_request(p, greedy)
+    sch = engine.scheduler
+    while not sch.swapped:
+        engine.step()
+    assert set(engine.runner.swapped_kv) == {r.request_id for r in sch.swapped}
+    victim = sch.swapped[0]
+    engine.abort(victim.request_id)
+    assert victim.request_id not in engine.runner.swapped_kv
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.swapped_kv == {} and sch.swap_used_blocks == 0 and engine.blocks.num_free_blocks == 9
+
+
 def test_prefix_cache_hit_gives_same_tokens_and_salt_isolates(llm):
     engine = llm.engine
     prompt = list(range(200, 250))  # 50 tokens: 3 full blocks of 16 cacheable

@@ -13,7 +13,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def test_scheduler_package_never_imports_jax():
-    code = "import sys, scheduler.scheduler, scheduler.packing, engine.spec.ngram; print('jax' in sys.modules)"
+    code = "import sys, scheduler.scheduler, scheduler.packing, scheduler.block_manager; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

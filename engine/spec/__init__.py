@@ -5,7 +5,7 @@ and verify, and exact verification.
 - `proposer`: the `Proposer` contract and `NoProposer`; one module per kind: `draft` (a draft model),
   `eagle` (an EAGLE head, EAGLE-2 trees), `medusa` (Medusa heads), `ngram` (prompt lookup), `suffix`
   (suffix decoding).
-- `gate`: `Gate`, each step's draft lengths from the adaptive K (`acceptance`) and measured step costs
+- `gate`: `Gate`, each step's draft lengths from the adaptive G (`acceptance`) and measured step costs
   (`costs`).
 - `programs`: the verify step programs and what every speculative program shares; a device proposer's
   drafting programs live in its module.

@@ -1,9 +1,9 @@
-"""How often proposals are accepted: per-class estimates, tree-cut estimates and the adaptive K.
+"""How often proposals are accepted: per-class estimates, tree-cut estimates and the adaptive G.
 
 `_Acceptance` is a request class's decayed per-token acceptance rate alpha,
 which the cost gate (`engine.spec.gate.Gate`) weighs with `expected_accepted`;
 `CutAcceptance` replaces it for token trees (the measured accepted tokens of
-every tree cut); `AdaptiveSpeculation` halves a class's (or a request's) K
+every tree cut); `AdaptiveSpeculation` halves a class's (or a request's) G
 while its running acceptance rate stays under `min_acceptance` and climbs it
 back when verifies pay.
 
@@ -100,12 +100,12 @@ class CutAcceptance:
 
 @dataclasses.dataclass
 class _Rate:
-    """A running acceptance rate and the K it currently allows."""
+    """A running acceptance rate and the G it currently allows."""
 
     k: int
     estimate: _Acceptance
     off_since: int = 0  # engine step of the last halving (read once k is 0)
-    good: int = 0  # verify steps at this K with the rate at or above the threshold
+    good: int = 0  # verify steps at this G with the rate at or above the threshold
     failed_retries: int = 0  # retries in a row that ended off again
 
     @property
@@ -113,7 +113,7 @@ class _Rate:
         return self.estimate.alpha
 
 
-# A class's K climbs one ladder step after this many verify steps in a row at or above the threshold.
+# A class's G climbs one ladder step after this many verify steps in a row at or above the threshold.
 GROW_AFTER = 4
 
 
@@ -122,27 +122,27 @@ MAX_BACKOFF = 64
 
 
 class AdaptiveSpeculation:
-    """Per-class and per-request acceptance rates (running averages) and each request's K.
+    """Per-class and per-request acceptance rates (running averages) and each request's G.
 
     A rate is accepted / tried draft tokens over the verifies so far, older
     ones decaying by `ema_decay` each, where tried stops at the first rejection
     (min(num_draft, accepted + 1)): an estimate of the per-token acceptance
     probability alpha of Leviathan et al. 2023 (§3.1) that does not depend on
-    K, so one threshold serves every K. A new request's rate starts from its
+    G, so one threshold serves every G. A new request's rate starts from its
     class's, so a request of a class that pays needs evidence of its own to
     fall below the threshold, not a few unlucky first verifies.
-    Whenever a rate is below `min_acceptance` its K halves (no optimistic
-    reset: a class that does not pay goes from K to 0 in log2(K) + 1 poor
+    Whenever a rate is below `min_acceptance` its G halves (no optimistic
+    reset: a class that does not pay goes from G to 0 in log2(G) + 1 poor
     steps); after `GROW_AFTER` verify steps in a row at or above it, a
-    class's K climbs the ladder again, up to `num_speculative_tokens`. A class at 0
-    retries at K = 1 (the cheapest verify) after `retry_after_steps`, twice
+    class's G climbs the ladder again, up to `num_speculative_tokens`. A class at 0
+    retries at G = 1 (the cheapest verify) after `retry_after_steps`, twice
     as long after each retry that ends off again (exponential backoff, as
     in TCP's retransmission timer). A request at 0 stays off (its draft KV
     is no longer kept up to date).
 
-    A request drafts min(class K, own K), except a `seeded` one (a seeded
+    A request drafts min(class G, own G), except a `seeded` one (a seeded
     sampled request whose output depends on its draft lengths): it drafts its
-    own K only, so its output depends on its own history alone.
+    own G only, so its output depends on its own history alone.
     """
 
     def __init__(self, config: SpeculationConfig):
@@ -167,7 +167,7 @@ class AdaptiveSpeculation:
 
     def k_for(self, request_id: str, request_class: str, requested: int | None, step: int,
               seeded: bool = False) -> int:
-        """K for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
+        """G for a request's next verify step; `requested` is the request's own cap (None: engine default)."""
         c = self.config
         cls = self._class(request_class)
         if request_id not in self.requests:  # a seeded request's history is its own alone
@@ -182,8 +182,8 @@ class AdaptiveSpeculation:
         return min(k, c.num_speculative_tokens if requested is None else requested)
 
     def update(self, request_id: str, request_class: str, num_draft: int, num_accepted: int, step: int) -> None:
-        """Records one verify step's outcome: halves K where a running rate fell below the threshold
-        and raises the class's K after a run of good steps."""
+        """Records one verify step's outcome: halves G where a running rate fell below the threshold
+        and raises the class's G after a run of good steps."""
         if num_draft == 0:
             return
         c = self.config

@@ -8,20 +8,20 @@ import numbers
 
 @dataclasses.dataclass
 class SpeculationConfig:
-    """Speculation settings: K, adaptive K per request class and per request, and the proposer.
+    """Speculation settings: G, adaptive G per request class and per request, and the proposer.
 
-    num_speculative_tokens: K when speculation pays (the top of the ladder
-      K, K/2, ..., 1 of compiled draft lengths).
+    num_speculative_tokens: G when speculation pays (the top of the ladder
+      G, G/2, ..., 1 of compiled draft lengths).
     min_acceptance: when a running acceptance rate (of a request or of its
-      class) is below this, K is halved, down to 0 (off). A floor for
+      class) is below this, G is halved, down to 0 (off). A floor for
       proposals that hardly ever pay; whether a rate above it pays in a
       given batch is the cost gate's call (`engine.spec.gate.Gate.begin_step`). 0 turns
-      both off: every decode drafts K.
+      both off: every decode drafts G.
     ema_decay: weight of the past in the running acceptance rates, per
       verify step (0.9: a rate that has seen alpha 0.5 for a while falls
       below 0.1 after about 20 verifies in a row that accept nothing; a
       proposal that never accepts turns off after 7).
-    retry_after_steps: a class switched off is retried at K = 1 after this many
+    retry_after_steps: a class switched off is retried at G = 1 after this many
       engine steps (twice as long after each failed retry), on the requests
       that arrive then.
     prompt_lookup_max, prompt_lookup_min: the n-gram sizes "ngram" matches,
@@ -40,7 +40,7 @@ class SpeculationConfig:
       nodes expanded per level (EAGLE-2's top-k), 1..8.
     ngram_in_tree: "eagle" trees: where the context has an n-gram match
       (`engine.spec.ngram.lookup`, sizes `prompt_lookup_max`..`prompt_lookup_min`),
-      its continuation (at most K tokens) joins the head's candidates in the
+      its continuation (at most G tokens) joins the head's candidates in the
       same tree, ranked before them; the head's candidates that repeat it merge
       into it. The coupled tree verify keeps the output the target's whatever
       the tree holds, so this stays exact.
@@ -89,7 +89,7 @@ class SpeculationConfig:
 
     @property
     def ladder(self) -> tuple[int, ...]:
-        """The draft lengths a step program is compiled for: K, K/2, ..., 1 (ascending)."""
+        """The draft lengths a step program is compiled for: G, G/2, ..., 1 (ascending)."""
         ks, k = [], self.num_speculative_tokens
         while k:
             ks.append(k)

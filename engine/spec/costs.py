@@ -15,7 +15,7 @@ def attention_pairs(start: int, num_tokens: int) -> int:
 class StepCosts:
     """Measured seconds of an engine step by its shape and attention work, as running averages.
 
-    A shape is (token bucket T, sequence bucket S, program K), K as in
+    A shape is (token bucket T, sequence bucket S, program G), G as in
     `StepTiming.spec_k`. A step's attention work is the (query, key) pairs it
     attends, `attention_pairs` summed over its rows: the part of its cost that
     grows with the contexts. Each shape keeps the running means of its
@@ -37,9 +37,9 @@ class StepCosts:
         self._means: dict[tuple[int, int, int | None], tuple[float, float, int]] = {}  # (seconds, pairs, steps)
         self._sxy = self._sxx = 0.0
 
-    def observe(self, T: int, S: int, K: int | None, seconds: float, work: float = 0.0) -> None:
-        """One step of shape (T, S, K) took `seconds` and attended `work` (query, key) pairs."""
-        key = (T, S, K)
+    def observe(self, T: int, S: int, G: int | None, seconds: float, work: float = 0.0) -> None:
+        """One step of shape (T, S, G) took `seconds` and attended `work` (query, key) pairs."""
+        key = (T, S, G)
         old = self._means.get(key)
         if old is None:
             self._means[key] = (seconds, work, 1)
@@ -56,10 +56,10 @@ class StepCosts:
         """The fitted attention cost of one (query, key) pair (0 until contexts have varied; never negative)."""
         return max(0.0, self._sxy / self._sxx) if self._sxx > 0 else 0.0
 
-    def get(self, T: int, S: int, K: int | None, work: float | None = None) -> float | None:
+    def get(self, T: int, S: int, G: int | None, work: float | None = None) -> float | None:
         """Seconds of a step of this shape (at `work` pairs; None: at its mean work), at least `MIN_SHARE` of its
         measured mean; None if never measured (or measured at 0 s)."""
-        old = self._means.get((T, S, K))
+        old = self._means.get((T, S, G))
         if old is None:
             return None
         seconds = old[0] if work is None else old[0] + self.seconds_per_pair * (work - old[1])
@@ -85,14 +85,14 @@ class StepCosts:
             return cheapest[hi]
         return cheapest[lo] + (cheapest[hi] - cheapest[lo]) * (T - lo) / (hi - lo)
 
-    def estimate(self, T: int, S: int, K: int | None, work: float, plain_T: int, plain: float,
+    def estimate(self, T: int, S: int, G: int | None, work: float, plain_T: int, plain: float,
                  plain_work: float) -> float | None:
-        """Seconds of a step of shape (T, S, K) attending `work` pairs, in a batch whose plain step (token
+        """Seconds of a step of shape (T, S, G) attending `work` pairs, in a batch whose plain step (token
         bucket `plain_T`, measured, `plain_work` pairs) takes `plain`: the shape's measurement at `work`,
         else the plain step plus what the extra tokens' products cost, `prior(T) - prior(plain_T)`, plus
         their attention (what makes this batch's plain step dearer than a bare step of its bucket is
         already in `plain`); None when `prior(T)` is."""
-        seconds = self.get(T, S, K, work)
+        seconds = self.get(T, S, G, work)
         if seconds is not None:
             return seconds
         cheap_T = self.prior(T)

@@ -69,7 +69,7 @@ class DraftModelProposer(DeviceProposer):
 
     Args:
       draft: a `checkpoints.LoadedModel` with the target's vocabulary.
-      config: K and the adaptive-speculation settings.
+      config: G and the adaptive-speculation settings.
       vocab_size: the target's vocabulary size.
       engine_config: the engine's config (the CPU kernel settings).
     Raises:
@@ -93,22 +93,22 @@ class DraftModelProposer(DeviceProposer):
     def bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(self.model_config, block_size)
 
-    def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for draft length `K` (`make_spec_step`)."""
-        return make_spec_step(target_graphdef, self.graphdef, attention, K)
+    def step_program(self, target_graphdef, attention, G: int):
+        """The jitted step for draft length `G` (`make_spec_step`)."""
+        return make_spec_step(target_graphdef, self.graphdef, attention, G)
 
 
 @functools.cache
-def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, attention: Callable, K: int):
+def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, attention: Callable, G: int):
     """Returns the jitted `step(target_state, draft_state, pool, draft_pool, batch, spec)`.
 
     Returns `(sampled, num_emitted int32 [S], path_rank, pool, draft_pool)`: `sampled`
-    is an `engine.step.Sampled` over the `S * (K+1)` verify slots (row-major;
+    is an `engine.step.Sampled` over the `S * (G+1)` verify slots (row-major;
     log-probabilities only if some row wants them), row `s` emits
-    `sampled.tokens[s * (K+1):][:num_emitted[s]]`, and `path_rank` is None (a chain's
+    `sampled.tokens[s * (G+1):][:num_emitted[s]]`, and `path_rank` is None (a chain's
     accepted tokens are its first ones; token-tree programs return ranks, as
-    `make_eagle_tree_step` does). Both pools are donated. `K`
-    (static) is the largest draft length in the step; `K = 0` only keeps the
+    `make_eagle_tree_step` does). Both pools are donated. `G`
+    (static) is the largest draft length in the step; `G = 0` only keeps the
     draft's KV in step with the target's and samples as `make_step` does.
     """
 
@@ -121,16 +121,16 @@ def make_spec_step(target_graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef, 
         V = target.cfg.vocab_size
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         tokens, probs = [], []
-        if K:
+        if G:
             t, p = sample_draft(draft.logits(hidden[batch.logits_indices]), *sampling, last_pos + 1)
             tokens.append(t)
             probs.append(p)
-            for j in range(1, K + 1):
+            for j in range(1, G + 1):
                 live = j <= spec.num_draft
                 single = single_token_batch(batch, tokens[-1], last_pos + j, spec.draft_slots[j - 1], live)
                 h, draft_pool = draft(single.token_ids, single.positions, paged_attend(single, attention),
                                       draft_pool)
-                if j < K:
+                if j < G:
                     t, p = sample_draft(draft.logits(h), *sampling, last_pos + j + 1)
                     tokens.append(t)
                     probs.append(p)

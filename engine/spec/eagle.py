@@ -33,7 +33,7 @@ class EagleProposer(DraftModelProposer):
     step that runs without the head leaves them behind for its requests,
     which then stop drafting (as with a draft model). With `config.tree_nodes`
     the head drafts EAGLE-2 dynamic trees of up to that many nodes, `tree_branching`
-    wide and at most K deep, verified by the coupled tree verify
+    wide and at most G deep, verified by the coupled tree verify
     (`engine.spec.eagle.make_eagle_tree_step`), so the output is the target's
     whatever is drafted (`output_independent`). With `config.ngram_in_tree` the
     host's n-gram lookup adds its chain to each tree where the context has a
@@ -43,7 +43,7 @@ class EagleProposer(DraftModelProposer):
 
     Args:
       head: a `checkpoints.LoadedModel` whose params hold `model.eagle.FC` (`checkpoints.draft.load_draft`).
-      config: K, the trees and the adaptive-speculation settings.
+      config: G, the trees and the adaptive-speculation settings.
       target_config: the target's `ModelConfig`.
       engine_config: the engine's config (the CPU kernel settings).
     Raises:
@@ -75,8 +75,8 @@ class EagleProposer(DraftModelProposer):
         return bool(self.config.tree_nodes)
 
     def proposal_len(self, request: Request, k: int) -> int:
-        """Chains: the policy's K. Trees: the node budget (the request's `num_tree_nodes` caps it), shrunk in
-        proportion when the policy lowers K."""
+        """Chains: the policy's G. Trees: the node budget (the request's `num_tree_nodes` caps it), shrunk in
+        proportion when the policy lowers G."""
         c = self.config
         n = c.tree_nodes
         if not n or not k:
@@ -113,8 +113,8 @@ class EagleProposer(DraftModelProposer):
         program that drafts it, the smallest of `program_ks` that holds k nodes, or as its n-gram chain."""
         if not self.config.tree_nodes or not k:
             return k
-        K = min(c for c in self.program_ks if c >= k)
-        levels = eagle_tree_shape(K, self.config.tree_branching, self.config.num_speculative_tokens)[1]
+        G = min(c for c in self.program_ks if c >= k)
+        levels = eagle_tree_shape(G, self.config.tree_branching, self.config.num_speculative_tokens)[1]
         chain = self._chains.get(request.request_id, ((), 0))[0] if request is not None else ()
         return min(k, max(levels, len(chain)))
 
@@ -124,13 +124,13 @@ class EagleProposer(DraftModelProposer):
             return None
         return {s.request.request_id: list(range(s.num_draft)) for s in plan.seqs if s.num_draft}
 
-    def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for draft length `K` (`engine.spec.eagle.make_eagle_step`), or for trees of `K`
+    def step_program(self, target_graphdef, attention, G: int):
+        """The jitted step for draft length `G` (`engine.spec.eagle.make_eagle_step`), or for trees of `G`
         nodes (`make_eagle_tree_step`)."""
-        if self.config.tree_nodes and K:
-            return make_eagle_tree_step(target_graphdef, self.graphdef, attention, K, self.config.tree_branching,
+        if self.config.tree_nodes and G:
+            return make_eagle_tree_step(target_graphdef, self.graphdef, attention, G, self.config.tree_branching,
                                         self.config.num_speculative_tokens, self.config.ngram_in_tree)
-        return make_eagle_step(target_graphdef, self.graphdef, attention, K)
+        return make_eagle_step(target_graphdef, self.graphdef, attention, G)
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
@@ -139,12 +139,12 @@ class EagleProposer(DraftModelProposer):
 
 
 @functools.cache
-def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int):
+def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, G: int):
     """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an
     EAGLE head (see the module docstring).
 
     Returns `(sampled, num_emitted, path_rank, pool, head_pool, features)`, the first three as
-    `make_spec_step`'s; the three pools are donated. `K = 0` runs no draft
+    `make_spec_step`'s; the three pools are donated. `G = 0` runs no draft
     pass but keeps the feature pool and the head's KV up to date.
     """
 
@@ -159,16 +159,16 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
         V = target.cfg.vocab_size
         sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seeds)
         tokens, probs = [], []
-        if K:
+        if G:
             single = single_token_batch(batch, batch.token_ids[last], last_pos, batch.slot_mapping[last],
                                          spec.num_draft > 0)
             prev = features_before(features, batch.block_tables, jnp.arange(S), last_pos)
             h, head_pool = head(single.token_ids, prev, single.positions, paged_attend(single, attention), head_pool)
-            for j in range(1, K + 1):
+            for j in range(1, G + 1):
                 t, p = sample_draft(head.logits(h), *sampling, last_pos + j)
                 tokens.append(t)
                 probs.append(p)
-                if j < K:
+                if j < G:
                     single = single_token_batch(batch, t, last_pos + j, spec.draft_slots[j - 1], j < spec.num_draft)
                     h, head_pool = head(single.token_ids, h, single.positions, paged_attend(single, attention),
                                         head_pool)
@@ -187,12 +187,12 @@ def make_eagle_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, 
     return step
 
 
-def eagle_tree_shape(K: int, branching: int, max_depth: int) -> tuple[int, int]:
-    """(top-k per expanded node, candidate levels) of an EAGLE-2 tree program of `K` nodes: each level's
-    `branching` best nodes (fewer if K is smaller) are expanded while their window fits in K slots, at most
+def eagle_tree_shape(G: int, branching: int, max_depth: int) -> tuple[int, int]:
+    """(top-k per expanded node, candidate levels) of an EAGLE-2 tree program of `G` nodes: each level's
+    `branching` best nodes (fewer if G is smaller) are expanded while their window fits in G slots, at most
     `max_depth` levels deep."""
-    k = min(branching, K)
-    return k, min(max_depth, K, 1 + K // k)
+    k = min(branching, G)
+    return k, min(max_depth, G, 1 + G // k)
 
 
 def _ancestor_bits(parents: jax.Array, base: jax.Array) -> jax.Array:
@@ -209,11 +209,11 @@ def _ancestor_bits(parents: jax.Array, base: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, K: int,
+def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.GraphDef, attention: Callable, G: int,
                          branching: int, max_depth: int, with_chains: bool = False):
     """Returns the jitted `step(target_state, head_state, pool, head_pool, features, batch, spec)` of an EAGLE
     head drafting dynamic token trees (EAGLE-2, Li et al. 2024, §4), returning what `make_eagle_step` returns
-    but for `path_rank`, int32 `[S, K]`: the rank (0 = best) by confidence of each accepted node among its row's
+    but for `path_rank`, int32 `[S, G]`: the rank (0 = best) by confidence of each accepted node among its row's
     candidates, -1 past the accepted path. Ranks grow along a path, so a tree cut to its `n` best nodes (and at
     most as many levels as the program that drafts `n` nodes expands: `EagleProposer.depth`) would have
     accepted the path's nodes of rank < n: the cost gate's estimate of what each cut accepts
@@ -230,14 +230,14 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
     the coupled tree verify as `make_tree_verify_step` does (the output is the target's whatever is drafted).
     The head's KV and the target's features of every packed token are written as in `make_eagle_step` (a
     tree node's feature input is its parent's) and the accepted path's KV, head KV and features are moved to
-    consecutive slots. Needs `K` >= 1 (`make_eagle_step(..., 0)` keeps the pools when no row drafts).
+    consecutive slots. Needs `G` >= 1 (`make_eagle_step(..., 0)` keeps the pools when no row drafts).
 
     `with_chains`: `spec.draft_tokens` holds each row's host-proposed chain (an n-gram continuation; -1 past
     it), which joins the tree ranked before the head's candidates (rank j at depth j + 1); a head candidate
     whose path from the root spells a prefix of the chain is that chain node and merges into it (its children
     hang from the chain node), so no token is verified twice under one parent.
     """
-    k, levels = eagle_tree_shape(K, branching, max_depth)
+    k, levels = eagle_tree_shape(G, branching, max_depth)
 
     @step_program(donate_argnums=(2, 3, 4))
     def step(target_state, head_state, pool: KVPool, head_pool: KVPool, features: FeaturePool, batch: StepBatch,
@@ -325,26 +325,26 @@ def make_eagle_tree_step(target_graphdef: nnx.GraphDef, head_graphdef: nnx.Graph
         rank = jnp.argsort(jnp.argsort(-score, axis=1, stable=True), axis=1, stable=True)
         take = (rank < budget[:, None]) & jnp.isfinite(score)
         num_draft = jnp.sum(take, axis=1).astype(jnp.int32)
-        node = jnp.where(take, jnp.cumsum(take, axis=1) - 1, K)  # window node (minus 1) of each candidate
+        node = jnp.where(take, jnp.cumsum(take, axis=1) - 1, G)  # window node (minus 1) of each candidate
         parent_cand = jnp.concatenate(c_parent, 1)
         parent_node = jnp.where(parent_cand < 0, 0,
                                 1 + jnp.take_along_axis(node, jnp.maximum(parent_cand, 0), 1))
-        scatter = lambda values, fill: jnp.full((S, K + 1), fill, jnp.int32).at[rows[:, None], node].set(
-            values, mode="drop")  # candidates -> window nodes 0..K-1
+        scatter = lambda values, fill: jnp.full((S, G + 1), fill, jnp.int32).at[rows[:, None], node].set(
+            values, mode="drop")  # candidates -> window nodes 0..G-1
         n_tok, n_parent, n_depth = scatter(jnp.concatenate(c_tok, 1), 0), scatter(parent_node, 0), scatter(depth, 1)
         n_rank = scatter(rank.astype(jnp.int32), 0)
-        parents = jnp.concatenate([jnp.full((S, 1), -1, jnp.int32), n_parent[:, :K]], 1)
+        parents = jnp.concatenate([jnp.full((S, 1), -1, jnp.int32), n_parent[:, :G]], 1)
         base = last - batch.query_start_loc[:-1]
-        slots = last[:, None] + jnp.arange(K + 1)[None]  # packed index of the root and window nodes
-        is_node = (jnp.arange(K + 1)[None] <= num_draft[:, None]) & (budget > 0)[:, None]
+        slots = last[:, None] + jnp.arange(G + 1)[None]  # packed index of the root and window nodes
+        is_node = (jnp.arange(G + 1)[None] <= num_draft[:, None]) & (budget > 0)[:, None]
         at = jnp.where(is_node, slots, T)
-        token_ids = batch.token_ids.at[at[:, 1:]].set(n_tok[:, :K], mode="drop")
-        positions = batch.positions.at[at[:, 1:]].set(last_pos[:, None] + n_depth[:, :K], mode="drop")
+        token_ids = batch.token_ids.at[at[:, 1:]].set(n_tok[:, :G], mode="drop")
+        positions = batch.positions.at[at[:, 1:]].set(last_pos[:, None] + n_depth[:, :G], mode="drop")
         tree_mask = spec.tree_mask.at[at].set(_ancestor_bits(parents, base), mode="drop")
         batch = batch.replace(token_ids=token_ids, positions=positions)
         spec = spec.replace(num_draft=jnp.where(budget > 0, num_draft, 0),
                             parents=jnp.where((budget > 0)[:, None], parents, spec.parents), tree_mask=tree_mask)
-        sampled, num_emitted, pool, hidden, move, path = target_verify_tree(target, pool, batch, spec, token_ids, K,
+        sampled, num_emitted, pool, hidden, move, path = target_verify_tree(target, pool, batch, spec, token_ids, G,
                                                                       attention)
         path_rank = jnp.where(path > 0, jnp.take_along_axis(n_rank, jnp.maximum(path - 1, 0), 1), -1)
         B = features.f.shape[2]

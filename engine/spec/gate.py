@@ -1,8 +1,8 @@
 """The gate: how many draft tokens each decode gets this step. A proposer says where they come from.
 
 Each step, before scheduling, `begin_step` asks the adaptive policy for each
-decode's K (`engine.spec.acceptance.AdaptiveSpeculation`), the proposer how
-many tokens it offers under that K (`Proposer.proposal_len`), and then runs
+decode's G (`engine.spec.acceptance.AdaptiveSpeculation`), the proposer how
+many tokens it offers under that G (`Proposer.proposal_len`), and then runs
 the cost gate: from the measured seconds of every step shape (`StepCosts`)
 and each request class's acceptance (a per-token rate for chains; for token
 trees whose verifies report where the accepted nodes ranked, the mean
@@ -44,9 +44,9 @@ HOLD_STEPS = 16
 
 
 def gate_caps(config: SpeculationConfig, on_device: bool) -> tuple[int, ...]:
-    """The draft-length caps the cost gate tries: for chains, every length up to K on the host (its one
-    verify program serves them all, and K = 3 fills a 4-token window where K = 4 pads to 8), the ladder
-    K, K/2, ..., 1 on the device (a program per length); for token trees, cuts that fill a power-of-two
+    """The draft-length caps the cost gate tries: for chains, every length up to G on the host (its one
+    verify program serves them all, and G = 3 fills a 4-token window where G = 4 pads to 8), the ladder
+    G, G/2, ..., 1 on the device (a program per length); for token trees, cuts that fill a power-of-two
     verify window (1, 3, 7, 15 nodes + the root) and the whole tree, so a CPU, where a wide window costs
     more, verifies small trees and a GPU large ones."""
     n = config.tree_nodes
@@ -56,7 +56,7 @@ def gate_caps(config: SpeculationConfig, on_device: bool) -> tuple[int, ...]:
 
 
 class Gate:
-    """How many draft tokens each decode gets: the adaptive K, the cost gate and its regret account.
+    """How many draft tokens each decode gets: the adaptive G, the cost gate and its regret account.
 
     The engine calls `begin_step` with the requests that may decode, then the
     scheduler asks `draft_len` of each. `wanted` is what the adaptive policy
@@ -78,7 +78,7 @@ class Gate:
 
     Args:
       proposer: where the drafts come from (`engine.spec.proposer.NoProposer`: the gate drafts nothing).
-      costs: the measured step costs (None: no cost gate, the adaptive K alone).
+      costs: the measured step costs (None: no cost gate, the adaptive G alone).
     """
 
     def __init__(self, proposer: Proposer, costs: StepCosts | None = None):
@@ -98,7 +98,7 @@ class Gate:
         return gate_caps(self.config, self.proposer.on_device)
 
     def policy_k(self, request: Request, step: int) -> int:
-        """The adaptive policy's K for `request` at engine step `step`, capped by its `num_speculative_tokens`.
+        """The adaptive policy's G for `request` at engine step `step`, capped by its `num_speculative_tokens`.
         A proposer without `adaptive_k` gets the cap alone: which proposals run is the cost gate's call, per
         class and match, with no switching off per request or class (a lookup keeps no draft state and costs
         nothing when the gate declines it)."""
@@ -131,8 +131,19 @@ class Gate:
             return None
         return self.proposer.idle_k(plan, lambda r: bool(self.wanted(r, step)))
 
+    def verified(self, request: Request, num_draft: int, num_accepted: int, ranks, step: int) -> int:
+        """`request`'s `num_draft` draft tokens were verified at engine step `step` and `num_accepted` of them
+        accepted (`ranks`: where the accepted nodes of a token tree ranked, `StepOutput.path_rank`; None for
+        chains): records the outcome (`record`, `record_tree`). Returns the path positions verified
+        (`Proposer.depth`)."""
+        depth = self.proposer.depth(request, num_draft)
+        self.record(request, depth, num_accepted, step)
+        if ranks is not None:
+            self.record_tree(request, num_draft, ranks)
+        return depth
+
     def record(self, request: Request, num_draft: int, num_accepted: int, step: int) -> None:
-        """One verify step's outcome for `request` (adapts K for it and its class, and the class's alpha);
+        """One verify step's outcome for `request` (adapts G for it and its class, and the class's alpha);
         `num_draft` counts path positions (`Proposer.depth`)."""
         self.policy.update(request.request_id, request.request_class, num_draft, num_accepted, step)
         if num_draft:
@@ -193,9 +204,9 @@ class Gate:
         """Chooses this step's draft length for each of `decodes` (the requests that may decode)."""
         if not self.enabled:
             return
-        B, base = len(decodes), (0 if self.proposer.on_device else None)
-        gated = self.costs is not None and B and self.config.min_acceptance > 0
-        shape = self.costs.shape(B, B) if gated else None
+        num_decodes, base = len(decodes), (0 if self.proposer.on_device else None)
+        gated = self.costs is not None and num_decodes and self.config.min_acceptance > 0
+        shape = self.costs.shape(num_decodes, num_decodes) if gated else None
         # A class whose drafting has spent its credit at this batch size drafts nothing, and is not looked up.
         broke = [r for r in decodes if shape and not self._draft_dependent(r)
                  and not self.regret.allows(r.request_class, shape[1])]
@@ -222,21 +233,21 @@ class Gate:
             else:
                 rows.append((self.alpha(r), k, r))
         rows.sort(key=lambda row: -row[0])
-        idle = self._cost(B, fixed, fixed_k, work, plain_at, base)
+        idle = self._cost(num_decodes, fixed, fixed_k, work, plain_at, base)
         if base is not None and not fixed:
             # Drafting nothing for long releases the requests' draft state (`HOLD_STEPS`), after which a step
             # runs the target alone, without the draft's upkeep pass: that is what drafting must beat.
             bare = self.costs.get(*shape, None, plain_work)
             idle = idle if bare is None else bare
-        best, choice = (B + gain) / idle, (0, 0)
+        best, choice = (num_decodes + gain) / idle, (0, 0)
         fixed_work = work
         for cap in self.gate_caps:
-            drafted, tokens, top, work = fixed, B + gain, fixed_k, fixed_work
+            drafted, tokens, top, work = fixed, num_decodes + gain, fixed_k, fixed_work
             for m, (a, k, r) in enumerate(rows, 1):
                 k = min(k, cap)
                 drafted, tokens, top = drafted + k, tokens + self.expected_tokens(r, k), max(top, k)
                 work += self._extra_pairs(r, k)
-                rate = tokens / self._cost(B, drafted, top, work, plain_at, base)
+                rate = tokens / self._cost(num_decodes, drafted, top, work, plain_at, base)
                 if rate > best:
                     best, choice = rate, (cap, m)
         cap, m = choice
@@ -266,8 +277,8 @@ class Gate:
         (`DraftRegret`). Nothing is charged before the plain step is measured."""
         if self.costs is None or not seqs:
             return
-        B = len(seqs)
-        shape = self.costs.shape(B, B)
+        num_decodes = len(seqs)
+        shape = self.costs.shape(num_decodes, num_decodes)
         if shape is None:
             return
         work = sum(attention_pairs(s.start, 1) for s in seqs)
@@ -279,7 +290,7 @@ class Gate:
             c = classes.setdefault(s.request.request_class, [0, 0, False])
             c[0], c[1], c[2] = c[0] + 1, c[1] + n, c[2] or bool(s.num_draft)
         for name, (rows, tokens, drafted) in classes.items():
-            self.regret.observe(name, shape[1], drafted, rows, B, tokens, seconds, plain)
+            self.regret.observe(name, shape[1], drafted, rows, num_decodes, tokens, seconds, plain)
 
 
     @staticmethod
@@ -297,18 +308,19 @@ class Gate:
         return s.seed is not None and s.temperature > 0 and not self.proposer.output_independent
 
 
-    def _cost(self, B: int, drafted: int, top: int, work: int, plain_at: tuple[float, int],
+    def _cost(self, num_decodes: int, drafted: int, top: int, work: int, plain_at: tuple[float, int],
               base: int | None) -> float:
-        """Seconds of a step of B decodes verifying `drafted` draft tokens, at most `top` per row, attending
+        """Seconds of a step of `num_decodes` decodes verifying `drafted` draft tokens, at most `top` per row, attending
         `work` pairs; `plain_at`: the batch's plain step (seconds, pairs)."""
         plain, plain_work = plain_at
         if drafted == 0:
             return plain
-        shape = self.costs.shape(B, B + drafted)
+        shape = self.costs.shape(num_decodes, num_decodes + drafted)
         if shape is None:
             return float("inf")
-        K = min(k for k in self.proposer.program_ks if k >= top)
-        seconds = self.costs.estimate(*shape, K, work, self.costs.shape(B, B)[0], plain, plain_work)
+        G = min(k for k in self.proposer.program_ks if k >= top)
+        plain_T = self.costs.shape(num_decodes, num_decodes)[0]
+        seconds = self.costs.estimate(*shape, G, work, plain_T, plain, plain_work)
         return plain if seconds is None else max(seconds, plain)
 
 

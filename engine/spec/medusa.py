@@ -72,7 +72,7 @@ class MedusaProposer(DeviceProposer):
         self._depths = tree_depths(np.array([-1, *self.parents]), self.kind)
 
     def proposal_len(self, request: Request, k: int) -> int:
-        """The tree's first nodes up to the first one deeper than the policy's K (which a request's own
+        """The tree's first nodes up to the first one deeper than the policy's G (which a request's own
         `num_speculative_tokens` caps), at most the request's `num_tree_nodes`."""
         deeper = np.flatnonzero(self._depths[1:] > k)
         n = int(deeper[0]) if len(deeper) else len(self.parents)
@@ -95,43 +95,43 @@ class MedusaProposer(DeviceProposer):
     def bytes_per_block(self, block_size: int) -> int:
         return FeaturePool.bytes_per_block(self.model_config, block_size)
 
-    def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step for a tree cut to its first `K` nodes (`engine.spec.medusa.make_medusa_step`)."""
-        return make_medusa_step(target_graphdef, self.graphdef, attention, K,
-                                (self.tree[0][:K], self.tree[1][:K]))
+    def step_program(self, target_graphdef, attention, G: int):
+        """The jitted step for a tree cut to its first `G` nodes (`engine.spec.medusa.make_medusa_step`)."""
+        return make_medusa_step(target_graphdef, self.graphdef, attention, G,
+                                (self.tree[0][:G], self.tree[1][:G]))
 
 
 @functools.cache
 def make_medusa_step(target_graphdef: nnx.GraphDef, heads_graphdef: nnx.GraphDef, attention: Callable,
-                     K: int, tree: tuple[tuple[int, ...], tuple[int, ...]]):
+                     G: int, tree: tuple[tuple[int, ...], tuple[int, ...]]):
     """Returns the jitted `step(target_state, heads_state, pool, features, batch, spec)` of Medusa heads
     (`model.medusa.MedusaHeads`), returning `(sampled, num_emitted, path_rank, pool, features)` as
     `make_eagle_tree_step` does (a node's rank is its index in the static tree, whose every prefix is the best
     tree of its size); the pools are donated.
 
-    With `K` > 0, each drafting row's heads read the target's feature at the position before its last real
+    With `G` > 0, each drafting row's heads read the target's feature at the position before its last real
     token (the hidden state whose logits gave that token, from the `FeaturePool`) and their candidates fill
-    the static tree `tree` = (heads, ranks) of node 1..K (`model.medusa.medusa_tree`; a cut tree keeps its
+    the static tree `tree` = (heads, ranks) of node 1..G (`model.medusa.medusa_tree`; a cut tree keeps its
     first nodes); the target then verifies the trees as `make_tree_verify_step` does. Every step writes the
     target's hidden state at each packed token into the feature pool and moves the accepted paths' features
-    with their KV, so the next step's heads read the feature of the last accepted node. `K = 0` only keeps
+    with their KV, so the next step's heads read the feature of the last accepted node. `G = 0` only keeps
     the feature pool up to date.
     """
     heads_of, ranks_of = (jnp.asarray(x, jnp.int32) for x in tree)
-    n = max(tree[1]) + 1 if K else 0
+    n = max(tree[1]) + 1 if G else 0
 
     @step_program(donate_argnums=(2, 3))
     def step(target_state, heads_state, pool: KVPool, features: FeaturePool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
         token_ids = batch.token_ids
-        if K:
+        if G:
             heads = nnx.merge(heads_graphdef, heads_state)
             S = spec.num_draft.shape[0]
             prev = features_before(features, batch.block_tables, jnp.arange(S), batch.positions[batch.logits_indices])
             candidates = heads.candidates(prev, n)  # [S, heads, n]
             token_ids = token_ids.at[spec.draft_token_index].set(candidates[:, heads_of, ranks_of], mode="drop")
         B = features.f.shape[2]
-        sampled, num_emitted, pool, hidden, move, path = target_verify_tree(target, pool, batch, spec, token_ids, K,
+        sampled, num_emitted, pool, hidden, move, path = target_verify_tree(target, pool, batch, spec, token_ids, G,
                                                                       attention)
         f = features.f.at[0, batch.slot_mapping // B, batch.slot_mapping % B, 0].set(hidden.astype(features.f.dtype))
         return sampled, num_emitted, path - (path > 0), pool, FeaturePool(move(f))

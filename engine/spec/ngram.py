@@ -144,7 +144,7 @@ class NgramProposer(Proposer):
 
     For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n
     tokens of the request's prompt + output are searched for earlier in it;
-    the first n with a match proposes the (up to K) tokens that followed it,
+    the first n with a match proposes the (up to G) tokens that followed it,
     taking the latest match among those with the longest continuation. No
     model: it pays where the output copies its input (summaries, code edits,
     retrieval-augmented answers) and costs nothing where nothing matches (the

@@ -15,14 +15,14 @@ needs nothing beyond lowering the sequence length. The draft therefore sees
 every token the target sees, prefill chunks included.
 
 One step program (`make_spec_step`) runs, on a packed batch whose decode
-rows carry `K_i` placeholder tokens after their last accepted token:
+rows carry `G_i` placeholder tokens after their last accepted token:
   1. the draft over the whole packed batch (KV for every new token; its
      logits at each row's last real token give draft token 1),
-  2. `K` single-token draft passes: pass j feeds draft token j at its
+  2. `G` single-token draft passes: pass j feeds draft token j at its
      position (writing its KV, so after a fully accepted round the draft is
-     level with the target) and, for j < K, proposes token j + 1,
+     level with the target) and, for j < G, proposes token j + 1,
   3. the target over the packed batch with the draft tokens written into the
-     placeholders (the verify window of K + 1 positions per row),
+     placeholders (the verify window of G + 1 positions per row),
   4. `verify`: accepted tokens plus one correction or bonus token per row.
 Rows with `num_draft = 0` (prefill chunks, requests without speculation)
 are ordinary sampling steps.
@@ -38,7 +38,7 @@ An EAGLE head (`model.eagle.EagleHead`) drafts from the target's features,
 kept per KV slot in a `FeaturePool` beside the KV pools (`make_eagle_step`):
   1. one head pass per row on its last real token x_j, paired with the
      target's feature f_{j-1} (written by an earlier step), gives draft token 1;
-     K - 1 more single-token passes feed the head its own predicted feature and
+     G - 1 more single-token passes feed the head its own predicted feature and
      the token drawn from it,
   2. the target and `verify` as above; the target's hidden state at every
      packed token goes into the feature pool,
@@ -73,11 +73,11 @@ class SpecBatch:
     """Device arrays describing the draft tokens of a packed step (see `scheduler.packing.SpecArrays`)."""
 
     num_draft: jax.Array  # int32 [S], draft tokens of each row (0 = no speculation)
-    draft_token_index: jax.Array  # int32 [S, K], index in the packed tokens of each placeholder (T = none)
-    verify_indices: jax.Array  # int32 [S, K+1], packed index of each verify position
-    draft_slots: jax.Array  # int32 [K, S], slot of draft pass j's input token (0 = masked)
-    draft_tokens: jax.Array  # int32 [S, K], a host proposer's draft tokens (already in the packed tokens)
-    parents: jax.Array  # int32 [S, K+1], each window node's parent (-1: the root or none)
+    draft_token_index: jax.Array  # int32 [S, G], index in the packed tokens of each placeholder (T = none)
+    verify_indices: jax.Array  # int32 [S, G+1], packed index of each verify position
+    draft_slots: jax.Array  # int32 [G, S], slot of draft pass j's input token (0 = masked)
+    draft_tokens: jax.Array  # int32 [S, G], a host proposer's draft tokens (already in the packed tokens)
+    parents: jax.Array  # int32 [S, G+1], each window node's parent (-1: the root or none)
     tree_mask: jax.Array  # int32 [T], attention masks of the step's tokens (token trees; causal elsewhere)
 
     @classmethod
@@ -127,8 +127,8 @@ def features_before(features: FeaturePool, block_tables: jax.Array, rows: jax.Ar
 
 
 def place_drafts(batch: StepBatch, spec: SpecBatch, tokens: list, probs: list, V: int):
-    """The packed tokens with the draft tokens (K lists of `[S]`) in their placeholders, the draft tokens
-    `[S, K]` and their distributions `[S, K, V]` (K = 0: the batch's tokens and empty arrays)."""
+    """The packed tokens with the draft tokens (G lists of `[S]`) in their placeholders, the draft tokens
+    `[S, G]` and their distributions `[S, G, V]` (G = 0: the batch's tokens and empty arrays)."""
     S = spec.num_draft.shape[0]
     if not tokens:
         return batch.token_ids, jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0, V), jnp.float32)
@@ -141,8 +141,8 @@ def _window_rows(spec: SpecBatch, seq_lens: jax.Array, W: int) -> tuple[jax.Arra
     """The verify windows' token rows, compacted: each real row's slots 0..num_draft, in order.
 
     Returns, for the W compact rows, int32 `[W]` each: `rows`, the packed token index; `seq`, the sequence;
-    `flat`, the window slot (s * (K+1) + i); and `slot` int32 `[S, K+1]`, the compact row of each window
-    slot (a slot past the window reads its row's slot 0). `W` = min(T, S (K+1)) holds them all: a real
+    `flat`, the window slot (s * (G+1) + i); and `slot` int32 `[S, G+1]`, the compact row of each window
+    slot (a slot past the window reads its row's slot 0). `W` = min(T, S (G+1)) holds them all: a real
     row has at least 1 + num_draft tokens in the step and padding rows (seq_len 0) have none.
     """
     S, K1 = spec.verify_indices.shape
@@ -162,11 +162,11 @@ def target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token
     `(sampled, num_emitted, pool, hidden [T, E])`.
 
     The LM head runs on the windows' real slots only (`_window_rows`): a batch where few rows draft costs
-    little more than a plain step, not S (K+1) rows of logits.
+    little more than a plain step, not S (G+1) rows of logits.
     """
-    S, K = draft_tokens.shape
+    S, G = draft_tokens.shape
     hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention), pool)
-    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
+    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (G + 1)))
     logits = target.logits(hidden[rows])  # [W, V]
     if draft_probs is None:
         # The target's token at each slot, drawn exactly as the plain sampler draws the token at its position.
@@ -185,7 +185,7 @@ def target_verify(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token
 
 
 @functools.cache
-def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
+def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, G: int):
     """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
     proposer: the draft tokens are in `batch.token_ids` and `spec.draft_tokens` already, and the proposal
     is deterministic (a one-hot `p`), verified by `engine.spec.verify.verify_deterministic` (the output equals
@@ -199,41 +199,41 @@ def make_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int)
     return step
 
 
-def target_verify_tree(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array, K: int,
+def target_verify_tree(target, pool: KVPool, batch: StepBatch, spec: SpecBatch, token_ids: jax.Array, G: int,
                  attention: Callable):
     """The target over the packed batch with token trees in its verify windows, then the coupled tree verify
     and the accepted paths' KV moves (see `make_tree_verify_step`). Returns `(sampled, num_emitted, pool,
     hidden [T, E], move, path)`: `hidden` per packed token, `move(x)`, which moves the accepted paths' slots
     of any per-slot array laid out as the KV pool (`[L, P, B, H, D]`) as the KV was moved, and `path` int32
-    `[S, K]`, the window node (1..K) of each accepted node, -1 past the path."""
+    `[S, G]`, the window node (1..G) of each accepted node, -1 past the path."""
     S = spec.num_draft.shape[0]
     hidden, pool = target(token_ids, batch.positions, paged_attend(batch, attention, spec.tree_mask), pool)
-    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (K + 1)))
+    rows, seq, flat, slot = _window_rows(spec, batch.seq_lens, min(hidden.shape[0], S * (G + 1)))
     logits = target.logits(hidden[rows])  # [W, V]
     choice = sample(logits, batch.temperature[seq], batch.top_k[seq], batch.top_p[seq], batch.min_p[seq],
                     batch.seeds[seq], batch.positions[rows] + 1)
-    nodes = token_ids[spec.verify_indices]  # [S, K+1], the root then the nodes
+    nodes = token_ids[spec.verify_indices]  # [S, G+1], the root then the nodes
     out, num_emitted, path = verify_tree_coupled(choice[slot], nodes, spec.parents, spec.num_draft + 1)
     root = jnp.where((spec.num_draft > 0) & (batch.seq_lens > 0), batch.positions[batch.logits_indices], -1)
-    # K = 0 accepts no node, so nothing moves. (XLA:CPU turns the one-slot scatter into a select over the
+    # G = 0 accepts no node, so nothing moves. (XLA:CPU turns the one-slot scatter into a select over the
     # whole pool, ~130 ms a pool on SmolLM2's, so it is left out of the program rather than run as a no-op.)
-    move = (lambda x: move_path_kv(x, batch.block_tables, root, path)) if K else (lambda x: x)
+    move = (lambda x: move_path_kv(x, batch.block_tables, root, path)) if G else (lambda x: x)
     pool = KVPool(move(pool.k), move(pool.v))
     # Emitted token j comes from node path[j - 1] (the root for j = 0): log-probabilities on the compact
     # rows, each row scoring the token emitted from its node, then gathered per emitted slot.
     rows_ = jnp.arange(S)[:, None]
-    source = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), path[:, :K]], axis=1)  # [S, K+1]
-    live = jnp.arange(K + 1)[None, :] < num_emitted[:, None]
+    source = jnp.concatenate([jnp.zeros((S, 1), jnp.int32), path[:, :G]], axis=1)  # [S, G+1]
+    live = jnp.arange(G + 1)[None, :] < num_emitted[:, None]
     emitted = jnp.maximum(out, 0)
-    at_node = jnp.zeros((S, K + 1), jnp.int32).at[rows_, jnp.where(live, source, K + 1)].set(emitted, mode="drop")
+    at_node = jnp.zeros((S, G + 1), jnp.int32).at[rows_, jnp.where(live, source, G + 1)].set(emitted, mode="drop")
     sampled = token_logprobs(logits, at_node.reshape(-1)[flat], batch.want_logprobs[seq])
     by_slot = slot[rows_, jnp.maximum(source, 0)].reshape(-1)
     sampled = jax.tree.map(lambda x: x[by_slot], sampled).replace(tokens=emitted.reshape(-1))
-    return sampled, num_emitted, pool, hidden, move, path[:, :K]
+    return sampled, num_emitted, pool, hidden, move, path[:, :G]
 
 
 @functools.cache
-def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K: int):
+def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, G: int):
     """Returns the jitted `step(target_state, pool, batch, spec) -> (sampled, num_emitted, pool)` for a host
     proposer's token trees (a chain is a tree too): window node i of a row holds position root + depth(i)
     and KV slot root + i, attends to its ancestors (`spec.tree_mask`); the target's token after each node is
@@ -244,6 +244,6 @@ def make_tree_verify_step(target_graphdef: nnx.GraphDef, attention: Callable, K:
     @step_program(donate_argnums=(1,))
     def step(target_state, pool: KVPool, batch: StepBatch, spec: SpecBatch):
         target = nnx.merge(target_graphdef, target_state)
-        return target_verify_tree(target, pool, batch, spec, batch.token_ids, K, attention)[:3]
+        return target_verify_tree(target, pool, batch, spec, batch.token_ids, G, attention)[:3]
 
     return step

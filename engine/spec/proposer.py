@@ -20,7 +20,7 @@ were drawn from, so the output follows the target's distribution exactly
 - `NoProposer`: no speculation; every step runs the target alone.
 
 Shape letters (DESIGN.md, STYLE.md): T step tokens (a token bucket), S
-sequences (a sequence bucket), K a program's draft length (a tree's node
+sequences (a sequence bucket), G a program's draft length (a tree's node
 count), V the vocabulary, E the hidden width, P KV blocks, B block size.
 
 Source: Leviathan et al. 2023 (§2.3, §3.1) for speculative sampling.
@@ -48,7 +48,7 @@ class Proposer:
     # True when a seeded request's output does not depend on its draft lengths, so the gate may
     # choose them for seeded requests too.
     output_independent = False
-    # Whether the adaptive K (`engine.spec.acceptance.AdaptiveSpeculation`) may switch drafting off per
+    # Whether the adaptive G (`engine.spec.acceptance.AdaptiveSpeculation`) may switch drafting off per
     # request and class; a proposer that keeps no draft state leaves that to the cost gate alone.
     adaptive_k = True
     model_config = None
@@ -95,9 +95,9 @@ class Proposer:
 
     @property
     def program_ks(self) -> tuple[int, ...]:
-        """The K of each verify program compiled per step shape. A device proposer runs K draft passes, so
+        """The G of each verify program compiled per step shape. A device proposer runs G draft passes, so
         it has one per ladder length; a host proposer's window costs what its real slots cost whatever
-        K is (`engine.spec.programs._window_rows`), so one program (the largest K) serves every draft
+        G is (`engine.spec.programs._window_rows`), so one program (the largest G) serves every draft
         length and the compiled programs stay few (XLA:CPU maps ~600 memory regions per step program,
         and a process gets 65530: BUILD.md)."""
         if self.on_device:
@@ -109,11 +109,11 @@ class Proposer:
         whether a row may draft at a later step."""
         return None
 
-    def step_program(self, target_graphdef, attention, K: int):
-        """The jitted step program for draft length `K`; a host proposer's verifies the tokens packed into the
+    def step_program(self, target_graphdef, attention, G: int):
+        """The jitted step program for draft length `G`; a host proposer's verifies the tokens packed into the
         placeholders (`make_verify_step`; `make_tree_verify_step` for token trees)."""
         make = make_tree_verify_step if self.config.tree_nodes else make_verify_step
-        return make(target_graphdef, attention, K)
+        return make(target_graphdef, attention, G)
 
     def proposals(self, plan: StepPlan) -> dict[str, list[int]] | None:
         """A host proposer's draft tokens for each drafting row of `plan` (None for a device proposer)."""

@@ -25,7 +25,7 @@ from scheduler.request import Request
 MAX_DEPTH = 16
 MAX_MATCH = 8
 # A proposal is at most this many times its match's length deep (the paper's max_spec_factor): a one-token
-# match proposes one token, a long one up to MAX_DEPTH - MAX_MATCH (and K).
+# match proposes one token, a long one up to MAX_DEPTH - MAX_MATCH (and G).
 MAX_SPEC_FACTOR = 1.0
 # Continuations less likely than this (their share of the earlier occurrences, along the path) are not proposed.
 MIN_PROB = 0.1
@@ -315,7 +315,7 @@ class SuffixProposer(NgramProposer):
     (the server salts with the tenant: one tenant's outputs never shape another's proposals or speed). In
     each, the longest suffix of the context (up to `MAX_MATCH` tokens) with a continuation picks a node,
     and the tree of its continuations grows best-first by empirical probability (`SuffixTrie.candidates`),
-    at most `MAX_SPEC_FACTOR` x the match length, `MAX_DEPTH` - the match length and K deep, at most the
+    at most `MAX_SPEC_FACTOR` x the match length, `MAX_DEPTH` - the match length and G deep, at most the
     tree budget wide (with `tree_nodes` 0: the likeliest path); the tree whose probabilities sum higher
     (the more tokens it expects accepted) is proposed. Its tokens are one-hot
     proposals, verified like n-gram trees by the coupled tree verify, so the output is the target's
@@ -327,7 +327,7 @@ class SuffixProposer(NgramProposer):
     requests, least recently added first (`SuffixCache`).
 
     Args:
-      config: K (the proposals' depth), `tree_nodes` (0: chains, the likeliest path alone), `suffix_cache_tokens`.
+      config: G (the proposals' depth), `tree_nodes` (0: chains, the likeliest path alone), `suffix_cache_tokens`.
     """
 
     kind = "suffix"

@@ -190,7 +190,7 @@ def move_path_kv(pool: jax.Array, block_tables: jax.Array, root_positions: jax.A
     moves are safe; rows and path entries of -1 move nothing.
 
     Args:
-      pool: `[L, P, B, ...]`, any per-slot pool (K, V, draft KV, features).
+      pool: `[L, P, B, ...]`, any per-slot pool (G, V, draft KV, features).
       block_tables: int32 `[S, M]`.
       root_positions: int32 `[S]` (-1 or a row with no path: nothing moves).
       path: int32 `[S, N]`, as `verify_tree` returns.

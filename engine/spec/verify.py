@@ -86,14 +86,14 @@ def sample_draft(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, to
 
 
 def _leading_true(mask: jax.Array) -> jax.Array:
-    """Number of leading True values along the last axis: `[S, K]` -> int32 `[S]`."""
+    """Number of leading True values along the last axis: `[S, G]` -> int32 `[S]`."""
     return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1)
 
 
 def _emitted(draft_tokens: jax.Array, n: jax.Array, final: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's `n` accepted draft tokens then `final`, -1 after: (int32 `[S, K+1]`, num_emitted `[S]`)."""
-    S, K = draft_tokens.shape
-    slot = jnp.arange(K + 1, dtype=jnp.int32)[None]
+    """Each row's `n` accepted draft tokens then `final`, -1 after: (int32 `[S, G+1]`, num_emitted `[S]`)."""
+    S, G = draft_tokens.shape
+    slot = jnp.arange(G + 1, dtype=jnp.int32)[None]
     draft_padded = jnp.concatenate([draft_tokens, jnp.zeros((S, 1), jnp.int32)], axis=1)
     tokens = jnp.where(slot < n[:, None], draft_padded, jnp.where(slot == n[:, None], final[:, None], -1))
     return tokens, n + 1
@@ -114,33 +114,33 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
     2023, Appendix A.1; Chen et al. 2023, Theorem 1).
 
     Args:
-      target_logits: float32 `[S, K+1, V]`; row `s`, slot `i` are the target's
+      target_logits: float32 `[S, G+1, V]`; row `s`, slot `i` are the target's
         logits for position `positions[s] + i` (the last slot scores the bonus).
-      draft_probs: float32 `[S, K, V]`, the draft distribution each draft token
+      draft_probs: float32 `[S, G, V]`, the draft distribution each draft token
         was drawn from, after the same filtering (`sample_draft` returns it).
         It must give positive probability to the drafted token. Unused for
         greedy rows.
-      draft_tokens: int32 `[S, K]`.
-      num_draft: int32 `[S]`, draft tokens of each row, 0..K; slots past it are
+      draft_tokens: int32 `[S, G]`.
+      num_draft: int32 `[S]`, draft tokens of each row, 0..G; slots past it are
         ignored. 0 makes the row an ordinary sampling step.
       temperature, top_k, top_p, min_p: `[S]`, the request's settings as in
         `engine.sampler.sample` (temperature 0 = greedy).
       seeds: uint32 `[S]`.
       positions: int32 `[S]`, the position of the first draft token.
     Returns:
-      tokens: int32 `[S, K+1]`; row `s` emits `tokens[s, :num_emitted[s]]`
+      tokens: int32 `[S, G+1]`; row `s` emits `tokens[s, :num_emitted[s]]`
         (accepted draft tokens, then the correction or bonus token); later
         slots hold -1.
       num_emitted: int32 `[S]` in 1..num_draft+1.
     """
     S, K1, V = target_logits.shape
-    K = K1 - 1
+    G = K1 - 1
     slot = jnp.arange(K1, dtype=jnp.int32)
     rows = jnp.arange(S)
-    in_draft = slot[None, :K] < num_draft[:, None]  # [S, K]
+    in_draft = slot[None, :G] < num_draft[:, None]  # [S, G]
 
-    target_argmax = argmax(target_logits)  # [S, K+1]
-    n_greedy = _leading_true(in_draft & (draft_tokens == target_argmax[:, :K]))
+    target_argmax = argmax(target_logits)  # [S, G+1]
+    n_greedy = _leading_true(in_draft & (draft_tokens == target_argmax[:, :G]))
     final_greedy = target_argmax[rows, n_greedy]
 
     def stochastic():
@@ -149,9 +149,9 @@ def verify(target_logits: jax.Array, draft_probs: jax.Array, draft_tokens: jax.A
         filtered = filter_logits(target_logits.reshape(S * K1, V), per_slot(t), per_slot(top_k),
                                  per_slot(top_p), per_slot(min_p)).reshape(S, K1, V)
         q = numerics.softmax(filtered)
-        q_x = jnp.take_along_axis(q[:, :K], draft_tokens[..., None], axis=-1)[..., 0]  # [S, K]
+        q_x = jnp.take_along_axis(q[:, :G], draft_tokens[..., None], axis=-1)[..., 0]  # [S, G]
         p_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
-        u_keys = _stream_keys(seeds, positions[:, None] + slot[None, :K], ACCEPT_STREAM)  # [S, K]
+        u_keys = _stream_keys(seeds, positions[:, None] + slot[None, :G], ACCEPT_STREAM)  # [S, G]
         u = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32)))(u_keys)
         # u < q/p without dividing; u is in [0, 1), so q >= p always accepts.
         n = _leading_true(in_draft & (u * p_x < q_x))
@@ -193,12 +193,12 @@ def verify_deterministic(target_tokens: jax.Array, draft_tokens: jax.Array,
     between window shapes).
 
     Args:
-      target_tokens: int32 `[S, K+1]`.
-      draft_tokens: int32 `[S, K]`; num_draft: int32 `[S]`, as in `verify`.
+      target_tokens: int32 `[S, G+1]`.
+      draft_tokens: int32 `[S, G]`; num_draft: int32 `[S]`, as in `verify`.
     Returns:
       as `verify`.
     """
-    K = draft_tokens.shape[1]
-    in_draft = jnp.arange(K)[None, :] < num_draft[:, None]  # [S, K]
-    n = _leading_true(in_draft & (draft_tokens == target_tokens[:, :K]))
+    G = draft_tokens.shape[1]
+    in_draft = jnp.arange(G)[None, :] < num_draft[:, None]  # [S, G]
+    n = _leading_true(in_draft & (draft_tokens == target_tokens[:, :G]))
     return _emitted(draft_tokens, n, target_tokens[jnp.arange(draft_tokens.shape[0]), n])
