@@ -36,27 +36,22 @@ import sys
 import threading
 
 import grpc
-import jinja2
-import numpy as np
-from google.protobuf import message as protobuf_message
-from google.protobuf import unknown_fields
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.inputs import encode_prompt
-from engine.outputs import RequestOutput
 from engine.serving.auth import DEFAULT_TENANT, Tenants, TLSConfig, TokenAuthInterceptor
+from engine.serving.convert import (BadRequest, check_request, checked_ids, encode_chat, lenient_parser, prompt_ids,
+                                    response_from_output, sampling_from_proto)
 from engine.serving.metrics import Metrics, Warmup
 from engine.serving.protos import generate_pb2 as pb
 from engine.serving.worker import EngineFailedError, EngineStoppedError, EngineWorker
 from scheduler.block_manager import NoFreeBlocksError
-from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from scheduler.request import MAX_LOGPROBS, InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-_OPTIONAL_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "logprobs")
 MAX_REQUEST_ID_CHARS = 256
 # After the grace period of a shutdown, the time calls get to send their last (abort) message.
 _FINAL_MESSAGE_S = 2.0
@@ -85,138 +80,12 @@ class ServingLimits:
             raise ValueError("serving limits must be >= 1")
 
 
-class _BadRequest(Exception):
-    """A request that fails validation in the handler (INVALID_ARGUMENT)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Undecodable:
-    """Stands in for a request message whose bytes did not parse, so the handler can refuse it clearly."""
-
-    type_name: str
-    error: str
-    size: int
-
-    def ByteSize(self) -> int:  # noqa: N802 -- the protobuf method name
-        return self.size
-
-
-def _lenient(message_type):
-    """A request deserializer that returns `_Undecodable` instead of raising (gRPC would answer UNKNOWN)."""
-
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except protobuf_message.DecodeError as e:
-            return _Undecodable(message_type.DESCRIPTOR.name, str(e) or "malformed", len(data))
-
-    return parse
-
-
-# ---- request conversion --------------------------------------------------------------------
-
-def unknown_field_paths(message, prefix: str = "") -> list[str]:
-    """Fields present on the wire that this server's .proto does not define, e.g. `sampling.#12`."""
-    found = [f"{prefix}#{f.field_number}" for f in unknown_fields.UnknownFieldSet(message)]
-    for field, value in message.ListFields():
-        if field.message_type is None:
-            continue
-        values = value if field.is_repeated else [value]
-        for i, sub in enumerate(values):
-            index = f"[{i}]" if field.is_repeated else ""
-            found += unknown_field_paths(sub, f"{prefix}{field.name}{index}.")
-    return found
-
-
-def _check_request(message) -> None:
-    """Raises _BadRequest for a message that did not parse (e.g. invalid UTF-8 in a string) or that
-    carries fields this server's .proto does not define."""
-    if isinstance(message, _Undecodable):
-        raise _BadRequest(f"the request is not a valid {message.type_name} message ({message.error}); "
-                          "string fields must be valid UTF-8")
-    unknown = unknown_field_paths(message)
-    if unknown:
-        raise _BadRequest(f"unknown fields {', '.join(unknown)}: the client's .proto is newer than this "
-                          "server's or the message is malformed")
-
-
-def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    """Engine sampling params from the proto; unset optional fields keep the engine's defaults.
-
-    Raises InvalidRequestError naming the first bad field.
-    """
-    kwargs = {f: getattr(p, f) for f in _OPTIONAL_SAMPLING if p.HasField(f)}
-    sampling = SamplingParams(stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
-                              ignore_eos=p.ignore_eos, **kwargs)
-    sampling.validate()
-    return sampling
-
-
 def _lower_priority() -> None:
     """Lowers the calling thread's CPU priority (Linux: a thread is a task with a nice value of its own)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux: the thread keeps the process's priority
         pass
-
-
-def _checked_ids(token_ids, vocab_size: int) -> np.ndarray:
-    """int64 `[N]` of a repeated int64 field; raises InvalidRequestError for an id outside [0, vocab_size)."""
-    ids = np.array(token_ids, np.int64)
-    bad = ids[(ids < 0) | (ids >= vocab_size)]
-    if bad.size:
-        raise InvalidRequestError(f"token ids must be in [0, {vocab_size}); got {bad[:5].tolist()}")
-    return ids
-
-
-def _chat(messages: pb.ChatMessages) -> list[dict]:
-    if not messages.messages:
-        raise _BadRequest("chat has no messages")
-    for i, m in enumerate(messages.messages):
-        if not m.role:
-            raise _BadRequest(f"chat message {i} has an empty role")
-    return [{"role": m.role, "content": m.content} for m in messages.messages]
-
-
-def _prompt(tokenizer, message, oneof: str) -> list[int]:
-    """Token ids of the text / token ids / chat set in `message`'s oneof `oneof`."""
-    kind = message.WhichOneof(oneof)
-    if kind is None:
-        names = ", ".join(f.name for f in message.DESCRIPTOR.oneofs_by_name[oneof].fields)
-        raise _BadRequest(f"{oneof} is required: set one of {names}")
-    if kind == "text":
-        if not message.text:
-            raise _BadRequest(f"{oneof} is empty")
-        return encode_prompt(tokenizer, message.text)
-    if kind == "token_ids":
-        return list(message.token_ids.ids)
-    return _encode_chat(tokenizer, message.chat)
-
-
-def _encode_chat(tokenizer, messages: pb.ChatMessages) -> list[int]:
-    try:
-        return encode_prompt(tokenizer, _chat(messages))
-    except (ValueError, jinja2.TemplateError) as e:  # no chat template, or the template refused the messages
-        raise _BadRequest(f"chat: {e}") from None
-
-
-def _logprobs(out: RequestOutput, n: int) -> list[pb.Logprobs]:
-    entries = out.logprobs[len(out.logprobs) - len(out.delta_token_ids):]
-    return [pb.Logprobs(sampled=pb.TokenLogprob(token_id=t, logprob=entry[t]),
-                        top=[pb.TokenLogprob(token_id=k, logprob=v) for k, v in list(entry.items())[:n]])
-            for t, entry in zip(out.delta_token_ids, entries)]
-
-
-def response_from_output(out: RequestOutput, request_id: str, num_logprobs: int | None) -> pb.GenerateResponse:
-    """The streamed message for one engine output; the last one carries finish reason and usage."""
-    msg = pb.GenerateResponse(request_id=request_id, text=out.delta_text, token_ids=out.delta_token_ids)
-    if num_logprobs is not None:
-        msg.logprobs.extend(_logprobs(out, num_logprobs))
-    if out.finished:
-        msg.finish_reason = _FINISH_REASONS[out.finish_reason]
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
-                                    cached_prompt_tokens=out.num_cached_tokens, acceptance_rate=out.acceptance_rate))
-    return msg
 
 
 # ---- the service ---------------------------------------------------------------------------
@@ -274,9 +143,9 @@ class GenerationServicer:
         """The size limit first (before any work), then parse errors and unknown fields."""
         size = request.ByteSize()
         if size > self.limits.max_request_bytes:
-            raise _BadRequest(f"the request is {size} bytes; this server takes at most "
+            raise BadRequest(f"the request is {size} bytes; this server takes at most "
                               f"{self.limits.max_request_bytes} (--max_request_bytes)")
-        _check_request(request)
+        check_request(request)
 
     def _speculation_kinds(self) -> list[str]:
         engine = self.worker.engine
@@ -284,19 +153,19 @@ class GenerationServicer:
 
     def _speculation(self, spec: pb.Speculation) -> dict:
         """The request's `num_speculative_tokens` and `num_tree_nodes` (None: the engine's choice), as
-        SamplingParams fields; raises _BadRequest."""
+        SamplingParams fields; raises BadRequest."""
         if not spec.enabled:
             return {"num_speculative_tokens": 0}
         kinds = self._speculation_kinds()
         if not kinds:
-            raise _BadRequest("speculation is not available for this model: the server has no proposer "
+            raise BadRequest("speculation is not available for this model: the server has no proposer "
                               "(ModelInfo.speculation_kinds is empty)")
         if spec.kind and spec.kind not in kinds:
-            raise _BadRequest(f"speculation kind {spec.kind!r} is not available; this server has {kinds}")
+            raise BadRequest(f"speculation kind {spec.kind!r} is not available; this server has {kinds}")
         if spec.num_speculative_tokens < 0:
-            raise _BadRequest(f"speculation.num_speculative_tokens must be >= 0, got {spec.num_speculative_tokens}")
+            raise BadRequest(f"speculation.num_speculative_tokens must be >= 0, got {spec.num_speculative_tokens}")
         if spec.num_tree_nodes < 0:
-            raise _BadRequest(f"speculation.num_tree_nodes must be >= 0, got {spec.num_tree_nodes}")
+            raise BadRequest(f"speculation.num_tree_nodes must be >= 0, got {spec.num_tree_nodes}")
         return {"num_speculative_tokens": spec.num_speculative_tokens or None,
                 "num_tree_nodes": spec.num_tree_nodes or None}
 
@@ -305,13 +174,13 @@ class GenerationServicer:
         try:
             self._check(request)
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-                raise _BadRequest(f"request_id has {len(request.request_id)} characters; at most "
+                raise BadRequest(f"request_id has {len(request.request_id)} characters; at most "
                                   f"{MAX_REQUEST_ID_CHARS}")
             sampling = sampling_from_proto(request.sampling)
             if request.HasField("speculation"):
                 sampling = dataclasses.replace(sampling, **self._speculation(request.speculation))
-            prompt = await self._prepare(_prompt, self.tokenizer, request, "prompt")
-        except (_BadRequest, InvalidRequestError) as e:
+            prompt = await self._prepare(prompt_ids, self.tokenizer, request, "prompt")
+        except (BadRequest, InvalidRequestError) as e:
             self.metrics.rejected.inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         tenant = self._tenant(context)
@@ -337,17 +206,17 @@ class GenerationServicer:
         try:
             self._check(request)
             if not request.inputs:
-                raise _BadRequest("inputs is empty: give at least one text or token id list to score")
+                raise BadRequest("inputs is empty: give at least one text or token id list to score")
             if len(request.inputs) > limits.max_score_inputs:
-                raise _BadRequest(f"{len(request.inputs)} inputs; this server scores at most "
+                raise BadRequest(f"{len(request.inputs)} inputs; this server scores at most "
                                   f"{limits.max_score_inputs} per call (--max_score_inputs)")
             encoded = await self._prepare(self._encode_score_inputs, request)
             total = sum(len(ids) for ids in encoded)
             if total > limits.max_score_tokens:
-                raise _BadRequest(f"the inputs have {total} tokens; this server scores at most "
+                raise BadRequest(f"the inputs have {total} tokens; this server scores at most "
                                   f"{limits.max_score_tokens} per call (--max_score_tokens)")
             results = await self.worker.score(encoded)
-        except (_BadRequest, InvalidRequestError) as e:
+        except (BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except NoFreeBlocksError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -363,9 +232,9 @@ class GenerationServicer:
         encoded = []
         for i, item in enumerate(request.inputs):
             try:
-                encoded.append(self.worker.engine.check_score_input(_prompt(self.tokenizer, item, "input")))
-            except (_BadRequest, InvalidRequestError) as e:
-                raise _BadRequest(f"inputs[{i}]: {e}") from None
+                encoded.append(self.worker.engine.check_score_input(prompt_ids(self.tokenizer, item, "input")))
+            except (BadRequest, InvalidRequestError) as e:
+                raise BadRequest(f"inputs[{i}]: {e}") from None
         return encoded
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
@@ -374,12 +243,12 @@ class GenerationServicer:
             self._check(request)
             kind = request.WhichOneof("input")
             if kind is None:
-                raise _BadRequest("input is required: set one of text, chat")
+                raise BadRequest("input is required: set one of text, chat")
             if kind == "text":
                 ids = await self._prepare(encode_prompt, self.tokenizer, request.text)
             else:
-                ids = await self._prepare(_encode_chat, self.tokenizer, request.chat)
-        except (_BadRequest, InvalidRequestError) as e:
+                ids = await self._prepare(encode_chat, self.tokenizer, request.chat)
+        except (BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -389,8 +258,8 @@ class GenerationServicer:
         try:
             self._check(request)
             # Off the event loop, in numpy: a megabyte of ids is ~500k of them.
-            ids = await self._prepare(_checked_ids, request.token_ids, self.worker.engine.model_config.vocab_size)
-        except (_BadRequest, InvalidRequestError) as e:
+            ids = await self._prepare(checked_ids, request.token_ids, self.worker.engine.model_config.vocab_size)
+        except (BadRequest, InvalidRequestError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         text = await self._prepare(self.tokenizer.decode, ids, not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
@@ -399,7 +268,7 @@ class GenerationServicer:
         await self._refuse_unless_serving(context)
         try:
             self._check(request)
-        except _BadRequest as e:
+        except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         engine = self.worker.engine  # read-only fields fixed at construction
         cfg, proposer = engine.model_config, engine.proposer
@@ -428,14 +297,14 @@ def _status(error: Exception) -> tuple[grpc.StatusCode, str]:
 
 def _method_handlers(servicer: GenerationServicer) -> dict[str, grpc.RpcMethodHandler]:
     """The service's handlers, as the generated `add_GenerationServicer_to_server` builds them but
-    with lenient request deserializers (see `_lenient`)."""
+    with lenient request deserializers (see `lenient_parser`)."""
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     handlers = {}
     for method in service.methods:
         request, response = (getattr(pb, m.name) for m in (method.input_type, method.output_type))
         kind = "unary_stream" if method.server_streaming else "unary_unary"
         handlers[method.name] = getattr(grpc, f"{kind}_rpc_method_handler")(
-            getattr(servicer, method.name), request_deserializer=_lenient(request),
+            getattr(servicer, method.name), request_deserializer=lenient_parser(request),
             response_serializer=response.SerializeToString)
     return handlers
 
