@@ -33,6 +33,9 @@ from engine.flags import FLAGS, llm_from_flags
 
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (0.0.0.0 or [::] for every interface).")
 flags.DEFINE_integer("port", 50051, "gRPC port; 0 picks a free one.")
+flags.DEFINE_integer("http_port", -1, "OpenAI-compatible HTTP API port on --host (/v1/completions, "
+                     "/v1/chat/completions, /v1/models, /health, /metrics), on the same engine as gRPC; 0 picks a "
+                     "free one, -1 (the default) disables it.")
 flags.DEFINE_integer("metrics_port", 9464, "Prometheus /metrics HTTP port on --host; 0 picks a free one, "
                      "-1 disables.")
 flags.DEFINE_string("tls_cert", None, "PEM certificate chain; serve TLS (needs --tls_key).")
@@ -91,16 +94,24 @@ async def _serve(server, scrape_token: str | None) -> int:
     """Listens at once, loads and warms the engine up (unless the server already has its worker), then serves
     until SIGTERM or SIGINT; returns the exit status."""
     port = await server.start()
-    http = None
+    http = api = None
     if FLAGS.metrics_port >= 0:
         http = server.metrics.serve(FLAGS.metrics_port, FLAGS.host, certfile=FLAGS.tls_cert, keyfile=FLAGS.tls_key,
                                     tenants=server.tenants, scrape_token=scrape_token)
+    if FLAGS.http_port >= 0:
+        from engine.serving.openai_api import HttpServer
+
+        api = HttpServer(server, FLAGS.host, FLAGS.http_port, certfile=FLAGS.tls_cert, keyfile=FLAGS.tls_key,
+                         scrape_token=scrape_token)
+        await api.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    scheme = "https" if FLAGS.tls_cert else "http"
     where = f"{FLAGS.host}:{port}" + (
-        f", metrics on {'https' if FLAGS.tls_cert else 'http'}://{FLAGS.host}:{http.server_port}/metrics" if http else "")
+        f", OpenAI API on {scheme}://{FLAGS.host}:{api.port}/v1" if api else "") + (
+        f", metrics on {scheme}://{FLAGS.host}:{http.server_port}/metrics" if http else "")
     status = 0
     if server.worker is None:
         print(f"listening on {where} (warming up)", flush=True)
@@ -111,6 +122,8 @@ async def _serve(server, scrape_token: str | None) -> int:
     if status == 0:
         print(f"shutting down (grace {FLAGS.grace_s:g} s)", flush=True)
     await server.stop(FLAGS.grace_s)
+    if api is not None:
+        await api.stop()
     if http is not None:
         http.shutdown()
     return status

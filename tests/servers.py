@@ -1,4 +1,5 @@
-"""A gRPC server for tests: a `GenerationServer` on its own event-loop thread in the test process."""
+"""A gRPC server for tests: a `GenerationServer` on its own event-loop thread in the test process, with the
+OpenAI-compatible HTTP API on the same worker if asked."""
 
 import asyncio
 import threading
@@ -10,13 +11,19 @@ from engine.serving.worker import EngineWorker
 class ServerThread:
     """A GenerationServer on its own event loop thread."""
 
-    def __init__(self, llm, **kwargs):
+    def __init__(self, llm, http: bool = False, scrape_token: str | None = None, **kwargs):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server = GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name="tiny-llama", **kwargs)
         self.port = self.run(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
+        self.http = None
+        if http:
+            from engine.serving.openai_api import HttpServer
+
+            self.http = HttpServer(self.server, scrape_token=scrape_token)
+            self.base_url = f"http://127.0.0.1:{self.run(self.http.start())}"
 
     def run(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -27,5 +34,7 @@ class ServerThread:
 
     def stop(self):
         self.run(self.server.stop(grace=1))
+        if self.http is not None:
+            self.run(self.http.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

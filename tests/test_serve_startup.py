@@ -7,9 +7,11 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from engine import LLM
@@ -73,7 +75,7 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
     token_file, scrape_file = tmp_path / "token", tmp_path / "scrape"
     token_file.write_text(TOKEN + "\n")
     scrape_file.write_text("the-operators\n")
-    cmd = [sys.executable, "-m", "engine.serve", "--model=tiny-llama", "--port=0", "--metrics_port=0",
+    cmd = [sys.executable, "-m", "engine.serve", "--model=tiny-llama", "--port=0", "--metrics_port=0", "--http_port=0",
            "--grace_s=0.5", f"--auth_token_file={token_file}", f"--metrics_token_file={scrape_file}", "--num_blocks=64", "--max_num_seqs=4",
            "--max_num_batched_tokens=32", f"--compilation_cache_dir={tmp_path / 'xla'}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -82,6 +84,10 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
         line = proc.stdout.readline()  # at once, before the model loads
         assert line.startswith("listening on 127.0.0.1:") and line.endswith(" (warming up)\n"), line + proc.stderr.read()
         target = line.split(" on ")[1].split(",")[0]
+        api = line.split("OpenAI API on ")[1].split(",")[0]
+        with pytest.raises(urllib.error.HTTPError) as e:  # the HTTP API refuses calls while warming up, as gRPC does
+            urllib.request.urlopen(api.removesuffix("/v1") + "/health", timeout=10)
+        assert e.value.code == 503
         metrics = urllib.request.Request(line.split("metrics on ")[1].split()[0],
                                          headers={"Authorization": "Bearer the-operators"})
         line = proc.stdout.readline()
@@ -94,7 +100,12 @@ def test_serve_exits_cleanly_on_sigterm(tmp_path):
         assert total > 0 and f"engine_warmup_programs_compiled {total}" in page and "engine_ready 1.0" in page
         with Client(target, auth_token=TOKEN) as c:
             assert c.generate("hi", max_tokens=3, ignore_eos=True).finish_reason == "length"
-            assert "engine_generated_tokens_total 3.0" in urllib.request.urlopen(metrics, timeout=10).read().decode()
+            # The same engine over HTTP, with the same token.
+            openai_client = openai.OpenAI(base_url=api, api_key=TOKEN, max_retries=0)
+            got = openai_client.completions.create(model="tiny-llama", prompt="hi", max_tokens=3, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            assert got.choices[0].text == c.generate("hi", max_tokens=3, ignore_eos=True, temperature=0).text
+            assert "engine_generated_tokens_total 9.0" in urllib.request.urlopen(metrics, timeout=10).read().decode()
             stream = c.generate_stream(list(range(3, 20)), max_tokens=230, ignore_eos=True, temperature=0)
             next(stream)
             proc.send_signal(signal.SIGTERM)

@@ -380,6 +380,16 @@ class GenerationServer:
             await self.ready(self.worker, self.tokenizer)
         return self.port
 
+    @property
+    def draining(self) -> bool:
+        """Whether `stop` began: new calls are refused, calls in flight run on."""
+        return self._servicer is not None and self._servicer.draining
+
+    async def prepare(self, fn, *args):
+        """`fn(*args)` on a request-preparation thread (tokenizing, templating), at a lower CPU priority than
+        the engine's: what the HTTP API shares with the gRPC handlers."""
+        return await self._servicer._prepare(fn, *args)
+
     async def ready(self, worker: EngineWorker, tokenizer) -> None:
         """Starts `worker`'s engine thread and serves through it: health turns SERVING."""
         self.worker, self.tokenizer = worker, tokenizer

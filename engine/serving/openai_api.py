@@ -1,0 +1,485 @@
+"""The OpenAI-compatible HTTP API, on the engine worker the gRPC server uses: one engine, both protocols.
+
+  POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, `data: [DONE]` last),
+  GET /v1/models, GET /health, GET /metrics
+
+FastAPI on uvicorn, run in the gRPC server's event loop (`HttpServer`): FastAPI because its request models
+(pydantic) give each bad field a clear error for free, and uvicorn is the ASGI server people deploy it with.
+Requests are checked on the same path as gRPC: the size limit (`ServingLimits.max_request_bytes`), then
+the fields, then `SamplingParams.validate` and the engine's own checks (`Engine.validate`, on the engine
+thread); a bad request is a 400 with OpenAI's error object naming the field (`param`). The same bearer
+tokens authenticate (`Authorization: Bearer <token>`, 401 otherwise) and name the tenant, which salts the
+prefix cache (and suffix decoding's memory) as over gRPC. While the server warms up or drains, calls get
+503 with `Retry-After`. A client that disconnects aborts its requests, which frees their KV blocks before
+the next step.
+
+Sampling fields beyond OpenAI's, as vLLM takes them (top level of the body; the `openai` client sends
+them through `extra_body`): `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
+`num_speculative_tokens` (0: no speculation) and `num_tree_nodes`. `n` > 1 runs n requests with seeds
+`seed`, `seed + 1`, ... (as `LLM.generate` samples them), sharing the prompt's KV through the prefix cache.
+
+Source: the OpenAI API reference (Completions, Chat Completions, the streaming chunk objects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+import jinja2
+import prometheus_client as prom
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.inputs import encode_prompt
+from engine.outputs import RequestOutput
+from engine.serving.worker import EngineFailedError, EngineStoppedError
+from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error answered with OpenAI's error object: `status`, a message, and the field it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
+                        headers=headers)
+
+
+# ---- request bodies ------------------------------------------------------------------------
+
+class _Body(pydantic.BaseModel):
+    """Fields both endpoints take. Unknown fields are refused (a typo would otherwise be silently ignored);
+    OpenAI fields this engine does not implement are taken only at their no-op values."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # The engine's extensions (vLLM's names).
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    num_speculative_tokens: int | None = None
+    num_tree_nodes: int | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class _TextPart(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class _Message(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    role: str
+    content: str | list[_TextPart]
+    name: str | None = None
+
+
+class ChatBody(_Body):
+    messages: list[_Message]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+# ---- the API -------------------------------------------------------------------------------
+
+class OpenAIApi:
+    """The endpoints over a `engine.serving.server.GenerationServer`'s state (worker, tokenizer, tenants,
+    limits, metrics, warm-up and draining), read at each call: the HTTP API serves exactly when gRPC does.
+
+    Args:
+      frontend: the gRPC server whose engine worker this API shares.
+      scrape_token: the operator's token for `/metrics` (as `Metrics.serve` takes it).
+    """
+
+    def __init__(self, frontend, scrape_token: str | None = None):
+        self.frontend = frontend
+        self.scrape_token = scrape_token
+        self.app = FastAPI(title="jax-spec-engine", docs_url=None, redoc_url=None, openapi_url=None)
+        self.app.add_exception_handler(ApiError, lambda _, e: _error(e.status, e.message, e.param, e.kind, e.headers))
+        self.app.add_exception_handler(RequestValidationError, lambda _, e: _validation_error(e))
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.chat_completions)
+        self.app.get("/v1/models")(self.models)
+        self.app.get("/health")(self.health)
+        self.app.get("/metrics")(self.metrics)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> str:
+        """The caller's tenant from its bearer token; 401 without a known one (when the server has tokens)."""
+        tenants = self.frontend.tenants
+        if tenants is None:
+            return "default"
+        tenant = tenants.tenant_of([("authorization", request.headers.get("authorization", ""))])
+        if tenant is None:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <token>'",
+                           kind="authentication_error")
+        return tenant
+
+    def _worker(self):
+        """The engine worker, or 503 while the server warms up or drains."""
+        if self.frontend.draining:
+            raise ApiError(503, "the server is shutting down: calls in flight finish, new ones go elsewhere",
+                           kind="server_error", headers={"Retry-After": "5"})
+        worker = self.frontend.worker
+        if worker is None:
+            done, total, left = self.frontend.metrics.warmup.progress()
+            wait = 5.0 if left is None else min(max(left, 1.0), 60.0)
+            raise ApiError(503, f"the server is warming up ({done} of {total} programs compiled); retry in "
+                           f"{wait:.0f} s", kind="server_error", headers={"Retry-After": str(int(wait))})
+        return worker
+
+    async def _body(self, request: Request, model: type[pydantic.BaseModel]):
+        """The body parsed as `model`, after the size limit (400 naming the limit, before any parsing)."""
+        limit = self.frontend.limits.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(400, f"the request is {declared} bytes; this server takes at most {limit} "
+                           "(--max_request_bytes)")
+        raw = await request.body()
+        if len(raw) > limit:
+            raise ApiError(400, f"the request is {len(raw)} bytes; this server takes at most {limit} "
+                           "(--max_request_bytes)")
+        try:
+            return model.model_validate_json(raw)
+        except pydantic.ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+    def _sampling(self, body: _Body, num_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
+        """The body's sampling fields as `SamplingParams` (validated: 400 naming the field)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise ApiError(400, f"{name} is not supported (only 0)", name)
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options needs stream: true", "stream_options")
+        if body.n < 1 or body.n > self.frontend.worker.engine.config.max_num_seqs:
+            raise ApiError(400, f"n must be in [1, {self.frontend.worker.engine.config.max_num_seqs}], got {body.n}",
+                           "n")
+        kwargs: dict[str, Any] = {k: v for k, v in {
+            "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+            "seed": body.seed, "max_tokens": max_tokens, "logprobs": num_logprobs,
+            "num_speculative_tokens": body.num_speculative_tokens, "num_tree_nodes": body.num_tree_nodes,
+        }.items() if v is not None}
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        try:
+            sampling = SamplingParams(stop=tuple(stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+                                      ignore_eos=body.ignore_eos, **kwargs)
+            sampling.validate()
+        except InvalidRequestError as e:
+            raise ApiError(400, str(e), _field_named(str(e))) from None
+        return sampling
+
+    # ---- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, request: Request):
+        tenant = self._tenant(request)
+        worker = self._worker()
+        body: CompletionBody = await self._body(request, CompletionBody)
+        if body.echo:
+            raise ApiError(400, "echo is not supported yet", "echo")
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
+        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
+            body.prompt[0], int) else [body.prompt]
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str) and not prompt:
+                raise ApiError(400, "prompt is empty", "prompt")
+            encoded.append(await self.frontend.prepare(encode_prompt, self.frontend.tokenizer, prompt)
+                           if isinstance(prompt, str) else list(prompt))
+        sampling = self._sampling(body, body.logprobs, body.max_tokens)
+        return await self._respond(request, worker, body, encoded, sampling, tenant, chat=False)
+
+    async def chat_completions(self, request: Request):
+        tenant = self._tenant(request)
+        worker = self._worker()
+        body: ChatBody = await self._body(request, ChatBody)
+        if not body.messages:
+            raise ApiError(400, "messages is empty", "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {body.top_logprobs}",
+                           "top_logprobs")
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
+                     else "".join(p.text for p in m.content)} for m in body.messages]
+        try:
+            ids = await self.frontend.prepare(encode_prompt, self.frontend.tokenizer, messages)
+        except (ValueError, InvalidRequestError, jinja2.TemplateError) as e:  # no template, or it refused them
+            raise ApiError(400, f"messages: {e}", "messages") from None
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if limit is None:  # chat's default: up to the context limit
+            limit = max(1, worker.engine.max_model_len - len(ids))
+        sampling = self._sampling(body, (body.top_logprobs or 0) if body.logprobs else None, limit)
+        return await self._respond(request, worker, body, [ids], sampling, tenant, chat=True)
+
+    async def models(self, request: Request):
+        self._tenant(request)
+        return {"object": "list", "data": [{"id": self.frontend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "jax-spec-engine"}]}
+
+    async def health(self):
+        """200 when serving, 503 while warming up or draining: the gRPC health service's readiness."""
+        try:
+            self._worker()
+        except ApiError as e:
+            return _error(503, e.message, kind="server_error", headers=e.headers)
+        return {"status": "ok"}
+
+    async def metrics(self, request: Request):
+        """The Prometheus page, for the operator's scrape token only when the server has tokens (as
+        `Metrics.serve`): it counts every tenant's traffic."""
+        sent = request.headers.get("authorization", "")
+        tenants = self.frontend.tenants
+        if self.scrape_token is not None or tenants is not None:
+            ok = self.scrape_token is not None and hmac.compare_digest(sent.encode(), f"Bearer {self.scrape_token}".encode())
+            if not ok:
+                if tenants is not None and tenants.tenant_of([("authorization", sent)]) is not None:
+                    return Response("a tenant's token does not read /metrics: scrape with the operator's token "
+                                    "(--metrics_token_file)\n", 403, media_type="text/plain")
+                return Response("missing or wrong scrape token\n", 401, media_type="text/plain",
+                                headers={"WWW-Authenticate": "Bearer"})
+        return Response(prom.generate_latest(self.frontend.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+    # ---- responses -------------------------------------------------------------------------
+
+    async def _respond(self, request: Request, worker, body: _Body, prompts: list[list[int]],
+                       sampling: SamplingParams, tenant: str, chat: bool):
+        """Submits `body.n` samples of every prompt and answers with the whole response or an SSE stream."""
+        streams = []
+        for prompt in prompts:
+            for i in range(body.n):
+                seeded = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32)
+                streams.append(worker.submit(prompt, seeded, priority=body.priority,
+                                             cache_salt=f"{tenant}\x00{body.cache_salt or ''}", tenant=tenant))
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
+                "model": body.model or self.frontend.model_name}
+        tokenizer = self.frontend.tokenizer
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._events(worker, streams, meta, chat, sampling.logprobs, tokenizer,
+                                                  include_usage), media_type="text/event-stream")
+        outputs: list[RequestOutput | None] = [None] * len(streams)
+        watcher = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            gathered = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+            done, _ = await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
+            if gathered not in done:
+                gathered.cancel()
+                return Response(status_code=499)
+            outputs = gathered.result()
+        except (InvalidRequestError, EngineFailedError, EngineStoppedError) as e:
+            raise _engine_error(e) from None
+        finally:
+            watcher.cancel()
+            for s in streams:
+                worker.abort(s)  # a finished one is ignored
+        choices = []
+        for index, out in enumerate(outputs):
+            logprobs = _logprobs(out, sampling.logprobs, tokenizer, chat) if sampling.logprobs is not None else None
+            if chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": logprobs, "finish_reason": out.finish_reason})
+            else:
+                choices.append({"index": index, "text": out.text, "logprobs": logprobs,
+                                "finish_reason": out.finish_reason})
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": _usage(outputs, body.n)}
+
+    async def _events(self, worker, streams, meta: dict, chat: bool, num_logprobs: int | None, tokenizer,
+                      include_usage: bool):
+        """Server-sent events: a chunk per engine output, the usage chunk if asked, `[DONE]`. Cancelled (the
+        client went away) or ended, it aborts whatever is still running."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        queue: asyncio.Queue = asyncio.Queue()
+        pumps = [asyncio.ensure_future(_pump(i, s, queue)) for i, s in enumerate(streams)]
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            if chat:
+                for index in range(len(streams)):
+                    yield _sse({**meta, "object": kind, "choices": [
+                        {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}]})
+            left = len(streams)
+            while left:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    error = _engine_error(item)
+                    yield _sse({"error": {"message": error.message, "type": error.kind, "param": error.param,
+                                          "code": None}})
+                    return
+                lp = _logprobs(item, num_logprobs, tokenizer, chat, delta=True) if num_logprobs is not None else None
+                choice = ({"index": index, "delta": {"content": item.delta_text}} if chat
+                          else {"index": index, "text": item.delta_text})
+                choice.update(logprobs=lp, finish_reason=item.finish_reason)
+                yield _sse({**meta, "object": kind, "choices": [choice]})
+                if item.finished:
+                    finals[index] = item
+                    left -= 1
+            if include_usage:
+                yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(finals, 1)})
+            yield "data: [DONE]\n\n"
+        finally:
+            for p in pumps:
+                p.cancel()
+            for s in streams:
+                worker.abort(s)
+
+
+class HttpServer:
+    """uvicorn serving `OpenAIApi` in the running event loop (the gRPC server's).
+
+    Args:
+      frontend: the `GenerationServer` whose worker and settings the API shares.
+      host, port: where to listen; port 0 picks a free one (`port` after `start`).
+      certfile, keyfile: PEM paths to serve HTTPS.
+      scrape_token: the operator's `/metrics` token.
+    """
+
+    def __init__(self, frontend, host: str = "127.0.0.1", port: int = 0, *, certfile: str | None = None,
+                 keyfile: str | None = None, scrape_token: str | None = None):
+        self.api = OpenAIApi(frontend, scrape_token)
+        config = uvicorn.Config(self.api.app, host=host, port=port, log_level="warning", access_log=False,
+                                ssl_certfile=certfile, ssl_keyfile=keyfile, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Starts listening; returns the bound port."""
+        self._task = asyncio.ensure_future(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise OSError("the HTTP server did not start")
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _last(stream) -> RequestOutput:
+    """The stream's last output (its finished one); raises the error it ends with."""
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            return item
+
+
+async def _pump(index: int, stream, queue: asyncio.Queue) -> None:
+    """Forwards one stream's outputs to `queue` tagged with its choice index, up to its last."""
+    while True:
+        item = await stream.queue.get()
+        await queue.put((index, item))
+        if isinstance(item, Exception) or item.finished:
+            return
+
+
+async def _until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+
+
+def _usage(outputs, n: int) -> dict:
+    """OpenAI's usage over the choices: the prompt counted once per prompt (every n-th choice)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n] if o is not None)
+    completion = sum(len(o.token_ids) for o in outputs if o is not None)
+    cached = sum(o.num_cached_tokens for o in outputs[::n] if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprobs(out: RequestOutput, n: int, tokenizer, chat: bool, delta: bool = False) -> dict:
+    """OpenAI's logprobs object of `out`'s tokens (its new ones with `delta`): chat's `content` list, or the
+    completions arrays (tokens, token_logprobs, top_logprobs, text_offset)."""
+    ids = out.delta_token_ids if delta else out.token_ids
+    entries = out.logprobs[len(out.logprobs) - len(ids):] if ids else []
+    text = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    tops = [[(tokenizer.decode([k], skip_special_tokens=False), v) for k, v in list(e.items())[:n]] for e in entries]
+    if chat:
+        return {"content": [{"token": s, "logprob": e[t], "bytes": list(s.encode()),
+                             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top]}
+                            for s, t, e, top in zip(text, ids, entries, tops)]}
+    offsets, at = [], len(out.text) - len(out.delta_text) if delta else 0
+    for s in text:
+        offsets.append(at)
+        at += len(s)
+    return {"tokens": text, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
+            "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+
+
+def _engine_error(e: Exception) -> ApiError:
+    if isinstance(e, InvalidRequestError):
+        return ApiError(400, str(e), _field_named(str(e)))
+    if isinstance(e, EngineStoppedError):
+        return ApiError(503, "the server is shutting down", kind="server_error", headers={"Retry-After": "5"})
+    return ApiError(500, str(e), kind="server_error")
+
+
+def _field_named(message: str) -> str | None:
+    """The request field an engine error message starts with ("top_p must be ..." -> "top_p")."""
+    first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    return first if first in CompletionBody.model_fields or first in ChatBody.model_fields else None
+
+
+def _validation_error(e: RequestValidationError) -> JSONResponse:
+    """pydantic's first error as OpenAI's error object, naming the field (`param`)."""
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+    if err.get("type") == "extra_forbidden":
+        message = f"unknown field {param}: this server does not take it"
+    return _error(400, message, param)
