@@ -182,9 +182,10 @@ def offline_run(llm, prompts: list, n: int, max_tokens: int) -> tuple[float, int
 
 
 class LocalServer:
-    """A GenerationServer over `llm` on its own event-loop thread in this process."""
+    """A GenerationServer over `llm` on its own event-loop thread in this process; with `http`, the
+    OpenAI-compatible HTTP API on the same worker too (`base_url`)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, http: bool = False):
         from engine.serving.server import GenerationServer
         from engine.serving.worker import EngineWorker
 
@@ -194,6 +195,12 @@ class LocalServer:
         self.thread.start()
         self.server = GenerationServer(EngineWorker(llm.engine), llm.tokenizer, model_name=FLAGS.model)
         self.target = f"127.0.0.1:{self._run(self.server.start())}"
+        self.http = None
+        if http:
+            from engine.serving.openai_api import HttpServer
+
+            self.http = HttpServer(self.server)
+            self.base_url = f"http://127.0.0.1:{self._run(self.http.start())}/v1"
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -204,6 +211,8 @@ class LocalServer:
 
     def stop(self) -> None:
         self._run(self.server.stop(grace=5))
+        if self.http is not None:
+            self._run(self.http.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
 
