@@ -200,15 +200,24 @@ class Tokenizer:
             ids = [i for i in ids if i not in self._skip]
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text (None: the model has none)."""
+        return self._tok.id_to_token(self._bos) if self._bos is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        """The first EOS token's text (None: the model has none)."""
+        return self._tok.id_to_token(self._eos[0]) if self._eos else None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Renders `messages` ([{"role": ..., "content": ...}]) with the model's Jinja template in a
         sandbox. Raises ValueError if the model has no template."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        tok = lambda i: self._tok.id_to_token(i) if i is not None else ""
         return _compile_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=tok(self._bos),
-            eos_token=tok(self._eos[0] if self._eos else None), **kwargs)
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "", **kwargs)
 
     def with_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> "Tokenizer":
         return Tokenizer(self._tok, chat_template=self.chat_template, bos_token_id=self._bos,
@@ -219,10 +228,8 @@ class Tokenizer:
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
         self._tok.save(os.path.join(path, "tokenizer.json"))
-        tok = lambda i: self._tok.id_to_token(i) if i is not None else None
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": self.chat_template,
-                  "add_bos_token": self._add_bos, "bos_token": tok(self._bos),
-                  "eos_token": tok(self._eos[0] if self._eos else None)}
+                  "add_bos_token": self._add_bos, "bos_token": self.bos_token, "eos_token": self.eos_token}
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2, ensure_ascii=False)
 

@@ -273,9 +273,9 @@ def amx_matmul_layers(x: jax.Array, weights: list[AmxWeight], layer: jax.Array) 
 
 
 def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`log_softmax_gather(amx_matmul(x, p), targets)` without writing the `[T, N]` logits: the AMX product
-    reduced per row as its column blocks are made (float32 `[T]` log-probabilities of int32 `targets` `[T]`,
-    int32 `[T]` argmax). Requires `amx_available()`; a target outside [0, N) raises at run time."""
+    """`log_softmax_gather(amx_matmul(x, p), targets)[:2]` without writing the `[T, N]` logits: the AMX
+    product reduced per row as its column blocks are made (float32 `[T]` log-probabilities of int32 `targets`
+    `[T]`, int32 `[T]` argmax). Requires `amx_available()`; a target outside [0, N) raises at run time."""
     if not amx_available():
         raise RuntimeError("AMX is not available on this CPU or OS (or JSE_CPU_ISA turned it off)")
     T = x.shape[0]
@@ -284,22 +284,24 @@ def amx_head_log_softmax(x: jax.Array, p: AmxWeight, targets: jax.Array) -> tupl
     return tuple(call(x.astype(jnp.float32), p.hi, p.lo, targets.astype(jnp.int32), n=np.int64(p.n)))
 
 
-def log_softmax_gather_reference(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """float32 `[T]` log-softmax of `logits` `[T, V]` at int32 `targets` `[T]`, and int32 `[T]` argmax per row
-    (the lowest index among equal maxima)."""
+def log_softmax_gather_reference(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """float32 `[T]` log-softmax of `logits` `[T, V]` at int32 `targets` `[T]`, int32 `[T]` argmax per row (the
+    lowest index among equal maxima) and float32 `[T]` the argmax's log-softmax."""
     logits = logits.astype(jnp.float32)
     chosen = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return chosen - jax.nn.logsumexp(logits, axis=-1), jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return chosen - lse, jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.max(logits, axis=-1) - lse
 
 
-def log_softmax_gather(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+def log_softmax_gather(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`log_softmax_gather_reference` in the native kernel; requires `cpu_features() == "avx512"`. A target outside
     [0, V) raises at run time."""
     if cpu_features() != "avx512":
         raise RuntimeError("log_softmax_gather needs the kernel library on an AVX-512 CPU")
     T = logits.shape[0]
     call = jax.ffi.ffi_call(_LOG_SOFTMAX_TARGET, (jax.ShapeDtypeStruct((T,), jnp.float32),
-                                                  jax.ShapeDtypeStruct((T,), jnp.int32)))
+                                                  jax.ShapeDtypeStruct((T,), jnp.int32),
+                                                  jax.ShapeDtypeStruct((T,), jnp.float32)))
     return tuple(call(logits.astype(jnp.float32), targets.astype(jnp.int32)))
 
 

@@ -45,11 +45,14 @@ class ScoreJob:
     token_ids: list[int]
     allocation: object  # the block manager's, for len(token_ids) - 1 tokens; None once freed
     logprobs: np.ndarray  # float32 [n - 1], filled up to num_scored
-    greedy: np.ndarray  # bool [n - 1], filled up to num_scored
+    top_ids: np.ndarray  # int32 [n - 1], each position's argmax, filled up to num_scored
+    top_logprobs: np.ndarray  # float32 [n - 1], the argmax's log-probability
     num_scored: int = 0
 
     def output(self) -> ScoreOutput:
-        return ScoreOutput(self.token_ids, self.logprobs.tolist(), self.greedy.tolist())
+        greedy = self.top_ids == np.asarray(self.token_ids[1:])
+        return ScoreOutput(self.token_ids, self.logprobs.tolist(), greedy.tolist(), self.top_ids.tolist(),
+                           self.top_logprobs.tolist())
 
 
 @dataclasses.dataclass(eq=False)
@@ -449,7 +452,8 @@ class Engine:
         """Validates a sequence to score and takes KV blocks for it; raises as `score` does."""
         ids = self.check_score_input(token_ids)
         n = len(ids)
-        return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32), np.empty(n - 1, bool))
+        return ScoreJob(ids, self.blocks.allocate(None, n - 1), np.empty(n - 1, np.float32), np.empty(n - 1, np.int32),
+                        np.empty(n - 1, np.float32))
 
     def score_chunk(self, job: ScoreJob) -> bool:
         """Scores the job's next chunk (at most the token budget); returns True once all of it is scored."""
@@ -468,9 +472,10 @@ class Engine:
             if budget == 0:
                 break
         if chunks:
-            for job, (logprobs, greedy) in zip(taken, self.runner.score_chunks(chunks)):
+            for job, (logprobs, top_ids, top_logprobs) in zip(taken, self.runner.score_chunks(chunks)):
                 job.logprobs[job.num_scored:job.num_scored + len(logprobs)] = logprobs
-                job.greedy[job.num_scored:job.num_scored + len(greedy)] = greedy
+                job.top_ids[job.num_scored:job.num_scored + len(logprobs)] = top_ids
+                job.top_logprobs[job.num_scored:job.num_scored + len(logprobs)] = top_logprobs
                 job.num_scored += len(logprobs)
         return [job.num_scored == len(job.logprobs) for job in jobs]
 

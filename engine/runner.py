@@ -383,14 +383,15 @@ class ModelRunner:
 
     # ---- scoring --------------------------------------------------------------------------
 
-    def score_chunks(self, chunks: list[tuple[list[int], object, int, int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def score_chunks(self, chunks: list[tuple[list[int], object, int, int]]) -> list[tuple[np.ndarray, ...]]:
         """Scores several sequences' next chunks in one step.
 
         `chunks`: (token_ids, allocation, start, m) per sequence: the
         log-probabilities of `token_ids[start + 1:start + 1 + m]`, each given
         the tokens before it; together at most the token budget and
-        `max_num_seqs` sequences. Returns per sequence float32 `[m]` and bool
-        `[m]` (whether each token is the argmax there).
+        `max_num_seqs` sequences. Returns per sequence float32 `[m]` (the
+        tokens' log-probabilities), int32 `[m]` (each position's argmax) and
+        float32 `[m]` (the argmax's log-probability).
 
         Teacher forcing through the paged forward: a chunk's KV goes into its
         `allocation` (the block manager's, for `len(token_ids) - 1` tokens;
@@ -412,12 +413,12 @@ class ModelRunner:
         batch = to_device(StepBatch, packed)
         args = (self.state, self.pools[0], batch, padded)
         score = self.programs.get(("score", batch.layout), self._score_step, args)
-        logprobs, greedy, pool = score(*args)
+        logprobs, argmax, top, pool = score(*args)
         self.pools = (pool, *self.pools[1:])
-        logprobs, greedy = np.asarray(logprobs), np.asarray(greedy)
+        logprobs, argmax, top = np.asarray(logprobs), np.asarray(argmax), np.asarray(top)
         out, t = [], 0
         for *_, m in chunks:
-            out.append((logprobs[t:t + m], greedy[t:t + m]))
+            out.append((logprobs[t:t + m], argmax[t:t + m], top[t:t + m]))
             t += m
         return out
 

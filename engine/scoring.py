@@ -26,12 +26,16 @@ class ScoreOutput:
     token_logprobs[i] is log p(token_ids[i + 1] | token_ids[:i + 1]) (natural
     log); the first token has none, so there are len(token_ids) - 1 of them.
     token_is_greedy[i] says whether token_ids[i + 1] is the argmax of that
-    position's logits (what greedy decoding would emit; ties go to the lowest id).
+    position's logits (what greedy decoding would emit; ties go to the lowest id);
+    top_token_ids[i] is that argmax and top_logprobs[i] its log-probability (OpenAI's
+    top_logprobs of a prompt token, which lm-evaluation-harness reads to tell greedy).
     """
 
     token_ids: list[int]
     token_logprobs: list[float]
     token_is_greedy: list[bool] = dataclasses.field(default_factory=list)
+    top_token_ids: list[int] = dataclasses.field(default_factory=list)
+    top_logprobs: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def log_likelihood(self) -> float:
@@ -40,12 +44,13 @@ class ScoreOutput:
 
 
 def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
-    """Returns the jitted `score_step(state, pool, batch, targets) -> (logprobs float32 [T], greedy bool [T], pool)`.
+    """Returns the jitted `score_step(state, pool, batch, targets) -> (logprobs float32 [T], argmax int32 [T],
+    top float32 [T], pool)`.
 
     `targets` int32 `[T]` is the token following each position of
     `batch.token_ids`; `logprobs` is its log-probability under the raw
-    log-softmax of that position's logits and `greedy` whether it is their
-    argmax (`Llama.target_logprobs`: native kernels on CPU).
+    log-softmax of that position's logits, `argmax` their argmax and `top` its
+    log-probability (`Llama.target_logprobs`: native kernels on CPU).
     The pool is donated.
     """
 
@@ -53,7 +58,7 @@ def make_score_step(graphdef: nnx.GraphDef, attention: Callable):
     def score_step(state, pool: KVPool, batch: StepBatch, targets: jax.Array):
         model = nnx.merge(graphdef, state)
         hidden, pool = model(batch.token_ids, batch.positions, paged_attend(batch, attention), pool)
-        logprobs, argmax = model.target_logprobs(hidden, targets)
-        return logprobs, argmax == targets, pool
+        logprobs, argmax, top = model.target_logprobs(hidden, targets)
+        return logprobs, argmax, top, pool
 
     return score_step

@@ -515,14 +515,16 @@ class Llama(nnx.Module):
             out = hidden @ self.lm_head[...]
         return out.astype(jnp.float32)
 
-    def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Scoring: float32 `[N]` log-softmax of the logits of hidden states `[N, E]` at int32 `targets` `[N]`,
-        and int32 `[N]` argmax of each row. On the AMX path (full vocabulary) the head and the reduction are
-        one kernel that never writes the `[N, V]` logits; else `logits` then `cpu_kernels.log_softmax_gather`
+        int32 `[N]` argmax of each row and float32 `[N]` the argmax's log-softmax. On the AMX path (full
+        vocabulary) the head and the reduction are one kernel that never writes the `[N, V]` logits (run
+        twice there, the second time at the argmax); else `logits` then `cpu_kernels.log_softmax_gather`
         (AVX-512) or its jnp reference."""
         weight = self._kernel_weight(self, "head", hidden)
         if isinstance(weight, cpu_kernels.AmxWeight) and not self.cfg.head_vocab_size:
-            return cpu_kernels.amx_head_log_softmax(hidden, weight, targets)
+            logprobs, argmax = cpu_kernels.amx_head_log_softmax(hidden, weight, targets)
+            return logprobs, argmax, cpu_kernels.amx_head_log_softmax(hidden, weight, argmax)[0]
         logits = self.logits(hidden)
         native = jax.default_backend() == "cpu" and cpu_kernels.cpu_features() == "avx512"
         reduce = cpu_kernels.log_softmax_gather if native else cpu_kernels.log_softmax_gather_reference

@@ -64,6 +64,8 @@ def test_score_matches_dense_log_softmax_across_chunks(llm):
     np.testing.assert_allclose(ids_out.token_logprobs, expected, atol=1e-4)
     assert ids_out.log_likelihood == pytest.approx(expected.sum(), abs=1e-3)
     np.testing.assert_array_equal(ids_out.token_is_greedy, ref[np.arange(69)].argmax(-1) == np.array(ids[1:]))
+    np.testing.assert_array_equal(ids_out.top_token_ids, ref[np.arange(69)].argmax(-1))
+    np.testing.assert_allclose(ids_out.top_logprobs, ref[np.arange(69)].max(-1), atol=1e-4)
     assert text_out.token_ids == list(b"hello world") and len(text_out.token_logprobs) == 10
     assert llm.engine.blocks.num_free_blocks == free  # borrowed blocks returned
 

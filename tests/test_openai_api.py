@@ -199,3 +199,62 @@ def test_while_warming_up_every_call_is_a_503_with_retry_after():
         run(http.stop())
         run(grpc_server.stop(grace=0))
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_echo_returns_the_prompt_logprobs_of_llm_score(server, client, llm):
+    """`echo` with `logprobs`: the prompt's token log-probabilities are `LLM.score`'s; each position's
+    `top_logprobs` holds its argmax, so the token is the top exactly where `LLM.score` says it is greedy."""
+    greedy_run = _offline(server, llm, [[104, 105]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    ids = [104, 105, *greedy_run[0].token_ids, 33, 7]  # greedy tokens, then two that are not (likely)
+    want = server.on_engine(lambda _: llm.score([ids])[0])
+    got = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == llm.tokenizer.decode(ids) and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want.token_logprobs, abs=1e-5)
+    greedy = [tok == pytest.approx(max(top.values()), abs=0) for tok, top in
+              zip(lp.token_logprobs[1:], lp.top_logprobs[1:])]
+    assert greedy == want.token_is_greedy and 0 < sum(greedy) < len(greedy)
+    one = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=1, echo=True, logprobs=1,
+                                    temperature=0).choices[0]
+    assert len(one.logprobs.tokens) == len(ids) + 1 and one.logprobs.token_logprobs[1:-1] == lp.token_logprobs[1:]
+    with pytest.raises(openai.BadRequestError, match="needs echo"):
+        client.completions.create(model="tiny-llama", prompt=ids, max_tokens=0)
+
+
+def test_lm_eval_local_completions_scores_equal_llm_score(server, llm, tmp_path, monkeypatch):
+    """lm-evaluation-harness's `local-completions` model (its remote tokenizer reads /tokenizer_info and
+    /tokenize) runs a loglikelihood task written here: every pair's log-likelihood and greedy flag are what
+    `LLM.score` gives on the same tokens."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    pairs = [{"context": "The cat sat on", "continuation": " the mat"},
+             {"context": "One two three", "continuation": " four"},
+             {"context": "hello", "continuation": " world!"},
+             {"context": "aaaa", "continuation": "aaaa"}]
+    (tmp_path / "pairs.json").write_text("\n".join(json.dumps(p) for p in pairs))
+    (tmp_path / "jse_pairs.yaml").write_text(
+        "task: jse_pairs\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'pairs.json'}\n"
+        "test_split: test\noutput_type: loglikelihood\n"
+        'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": server.base_url + "/v1/completions", "model": "tiny-llama",
+                    "tokenizer_backend": "remote", "auth_token": TOKEN, "max_retries": 1},
+        tasks=["jse_pairs"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+        cache_requests=False)
+    samples = sorted(results["samples"]["jse_pairs"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(pairs)
+    for sample, pair in zip(samples, pairs):
+        context = llm.tokenizer.encode(pair["context"])
+        whole = llm.tokenizer.encode(pair["context"] + pair["continuation"])
+        want = server.on_engine(lambda _: llm.score([whole])[0])
+        got_ll, got_greedy = sample["resps"][0][0]
+        assert got_ll == pytest.approx(sum(want.token_logprobs[len(context) - 1:]), abs=1e-4)
+        assert got_greedy == all(want.token_is_greedy[len(context) - 1:])

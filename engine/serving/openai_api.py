@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API, on the engine worker the gRPC server uses: one engine, both protocols.
 
   POST /v1/completions, POST /v1/chat/completions (streaming as server-sent events, `data: [DONE]` last),
-  GET /v1/models, GET /health, GET /metrics
+  GET /v1/models, GET /health, GET /metrics; vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info
+  (lm-evaluation-harness's remote tokenizer reads them)
 
 FastAPI on uvicorn, run in the gRPC server's event loop (`HttpServer`): FastAPI because its request models
 (pydantic) give each bad field a clear error for free, and uvicorn is the ASGI server people deploy it with.
@@ -12,6 +13,11 @@ tokens authenticate (`Authorization: Bearer <token>`, 401 otherwise) and name th
 prefix cache (and suffix decoding's memory) as over gRPC. While the server warms up or drains, calls get
 503 with `Retry-After`. A client that disconnects aborts its requests, which frees their KV blocks before
 the next step.
+
+`echo` on completions returns the prompt before the completion and, with `logprobs`, the prompt tokens'
+log-probabilities (the first token's is null), each with its position's argmax in `top_logprobs` (what
+lm-evaluation-harness's loglikelihood requests read; `max_tokens` 0 scores the prompt alone). They come
+from `Engine.score`'s pass, the one `LLM.score` and gRPC's Score run.
 
 Sampling fields beyond OpenAI's, as vLLM takes them (top level of the body; the `openai` client sends
 them through `extra_body`): `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `priority`, `cache_salt`,
@@ -43,6 +49,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.inputs import encode_prompt
 from engine.outputs import RequestOutput
 from engine.serving.worker import EngineFailedError, EngineStoppedError
+from scheduler.block_manager import NoFreeBlocksError
 from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -100,6 +107,21 @@ class CompletionBody(_Body):
     echo: bool = False
 
 
+class TokenizeBody(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
+
+
 class _TextPart(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid")
     type: Literal["text"]
@@ -142,6 +164,9 @@ class OpenAIApi:
         self.app.get("/v1/models")(self.models)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.metrics)
+        self.app.post("/tokenize")(self.tokenize)
+        self.app.post("/detokenize")(self.detokenize)
+        self.app.get("/tokenizer_info")(self.tokenizer_info)
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -215,8 +240,10 @@ class OpenAIApi:
         tenant = self._tenant(request)
         worker = self._worker()
         body: CompletionBody = await self._body(request, CompletionBody)
-        if body.echo:
-            raise ApiError(400, "echo is not supported yet", "echo")
+        if body.echo and body.stream:
+            raise ApiError(400, "echo is not supported with stream", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens 0 needs echo: true (scoring the prompt alone)", "max_tokens")
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {body.logprobs}", "logprobs")
         prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(
@@ -227,8 +254,32 @@ class OpenAIApi:
                 raise ApiError(400, "prompt is empty", "prompt")
             encoded.append(await self.frontend.prepare(encode_prompt, self.frontend.tokenizer, prompt)
                            if isinstance(prompt, str) else list(prompt))
-        sampling = self._sampling(body, body.logprobs, body.max_tokens)
-        return await self._respond(request, worker, body, encoded, sampling, tenant, chat=False)
+        sampling = self._sampling(body, body.logprobs, body.max_tokens or None)
+        if not body.echo:
+            return await self._respond(request, worker, body, encoded, sampling, tenant, chat=False)
+        try:
+            scored = await worker.score([worker.engine.check_score_input(ids) for ids in encoded])
+        except InvalidRequestError as e:
+            raise ApiError(400, f"prompt: {e}", "prompt") from None
+        except NoFreeBlocksError as e:
+            raise ApiError(503, f"too few free KV blocks to score the prompt now ({e}); retry when the server "
+                           "is less busy", kind="server_error", headers={"Retry-After": "1"}) from None
+        if body.max_tokens == 0:
+            response = {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
+                        "model": body.model or self.frontend.model_name, "choices": [
+                            {"index": i * body.n + j, "text": "", "logprobs": None, "finish_reason": "length"}
+                            for i in range(len(encoded)) for j in range(body.n)],
+                        "usage": {"prompt_tokens": sum(map(len, encoded)), "completion_tokens": 0,
+                                  "total_tokens": sum(map(len, encoded)), "prompt_tokens_details": {"cached_tokens": 0}}}
+        else:
+            response = await self._respond(request, worker, body, encoded, sampling, tenant, chat=False)
+        for choice in response["choices"]:
+            i = choice["index"] // body.n
+            prompt_text = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(encoded[i])
+            if body.logprobs is not None:
+                choice["logprobs"] = _echoed_logprobs(scored[i], self.frontend.tokenizer, choice["logprobs"])
+            choice["text"] = prompt_text + choice["text"]
+        return response
 
     async def chat_completions(self, request: Request):
         tenant = self._tenant(request)
@@ -257,6 +308,40 @@ class OpenAIApi:
         self._tenant(request)
         return {"object": "list", "data": [{"id": self.frontend.model_name, "object": "model", "created": 0,
                                             "owned_by": "jax-spec-engine"}]}
+
+    async def tokenize(self, request: Request):
+        """vLLM's: `{"prompt": text}` or `{"messages": [...]}` (through the chat template) -> token ids."""
+        self._tenant(request)
+        self._worker()
+        body: TokenizeBody = await self._body(request, TokenizeBody)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give one of prompt and messages", "prompt")
+        prompt = body.prompt if body.prompt is not None else body.messages
+        try:
+            ids = await self.frontend.prepare(encode_prompt, self.frontend.tokenizer, prompt)
+        except (ValueError, InvalidRequestError, jinja2.TemplateError) as e:
+            raise ApiError(400, f"{'prompt' if body.prompt is not None else 'messages'}: {e}",
+                           "prompt" if body.prompt is not None else "messages") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.frontend.worker.engine.max_model_len}
+
+    async def detokenize(self, request: Request):
+        """vLLM's: `{"tokens": [...]}` -> `{"prompt": text}` (400 for an id outside the vocabulary)."""
+        self._tenant(request)
+        worker = self._worker()
+        body: DetokenizeBody = await self._body(request, DetokenizeBody)
+        vocab = worker.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", "tokens")
+        return {"prompt": await self.frontend.prepare(self.frontend.tokenizer.decode, body.tokens)}
+
+    async def tokenizer_info(self, request: Request):
+        """vLLM's: the special tokens' texts, the chat template and the context limit."""
+        self._tenant(request)
+        worker = self._worker()
+        tok = self.frontend.tokenizer
+        return {"tokenizer_class": "jax-spec-engine", "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": None, "chat_template": tok.chat_template, "model_max_length": worker.engine.max_model_len}
 
     async def health(self):
         """200 when serving, 503 while warming up or draining: the gRPC health service's readiness."""
@@ -458,6 +543,31 @@ def _logprobs(out: RequestOutput, n: int, tokenizer, chat: bool, delta: bool = F
         at += len(s)
     return {"tokens": text, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
             "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
+
+
+def _echoed_logprobs(scored, tokenizer, completion: dict | None) -> dict:
+    """Completions' logprobs of an echoed prompt (`ScoreOutput`) followed by the completion's (`completion`,
+    None when nothing was generated): the first prompt token has none; each other's `top_logprobs` holds the
+    token and its position's argmax (one entry when they are the same token)."""
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in scored.token_ids]
+    tops = [None]
+    for t, lp, top_id, top_lp in zip(scored.token_ids[1:], scored.token_logprobs, scored.top_token_ids,
+                                     scored.top_logprobs):
+        entry = {tokenizer.decode([t], skip_special_tokens=False): lp}
+        entry[tokenizer.decode([int(top_id)], skip_special_tokens=False)] = lp if top_id == t else top_lp
+        tops.append(entry)
+    offsets, at = [], 0
+    for s in texts:
+        offsets.append(at)
+        at += len(s)
+    out = {"tokens": texts, "token_logprobs": [None, *scored.token_logprobs], "top_logprobs": tops,
+           "text_offset": offsets}
+    if completion is not None:
+        out["tokens"] += completion["tokens"]
+        out["token_logprobs"] += completion["token_logprobs"]
+        out["top_logprobs"] += completion["top_logprobs"]
+        out["text_offset"] += [at + o for o in completion["text_offset"]]
+    return out
 
 
 def _engine_error(e: Exception) -> ApiError:
