@@ -11,7 +11,8 @@ from engine.serving.worker import EngineWorker
 class ServerThread:
     """A GenerationServer on its own event loop thread."""
 
-    def __init__(self, llm, http: bool = False, scrape_token: str | None = None, **kwargs):
+    def __init__(self, llm, http: bool = False, scrape_token: str | None = None, http_tls: tuple | None = None,
+                 **kwargs):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -22,8 +23,10 @@ class ServerThread:
         if http:
             from engine.serving.openai_api import HttpServer
 
-            self.http = HttpServer(self.server, scrape_token=scrape_token)
-            self.base_url = f"http://127.0.0.1:{self.run(self.http.start())}"
+            certfile, keyfile = http_tls or (None, None)
+            self.http = HttpServer(self.server, scrape_token=scrape_token, certfile=certfile, keyfile=keyfile)
+            scheme = "https" if http_tls else "http"
+            self.base_url = f"{scheme}://127.0.0.1:{self.run(self.http.start())}"
 
     def run(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

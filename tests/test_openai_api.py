@@ -3,6 +3,8 @@ random-weight model: outputs equal `LLM.generate`'s, errors name their field, a 
 blocks. The server runs in this process on its own event-loop thread (`tests.servers.ServerThread`)."""
 
 import json
+import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -258,3 +260,28 @@ def test_lm_eval_local_completions_scores_equal_llm_score(server, llm, tmp_path,
         got_ll, got_greedy = sample["resps"][0][0]
         assert got_ll == pytest.approx(sum(want.token_logprobs[len(context) - 1:]), abs=1e-4)
         assert got_greedy == all(want.token_is_greedy[len(context) - 1:])
+
+
+def test_https_with_the_servers_certificate(llm, tmp_path):
+    """With a certificate the HTTP API serves TLS only: the client that trusts it gets the engine's
+    output, a plaintext request gets no answer."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True)
+    s = ServerThread(llm, http=True, http_tls=(str(cert), str(key)))
+    try:
+        secure = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0,
+                               http_client=openai.DefaultHttpxClient(verify=str(cert)))
+        got = secure.completions.create(model="tiny-llama", prompt="ab", max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        want = _offline(s, llm, ["ab"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+        assert got.choices[0].text == want.text
+        with pytest.raises(Exception):
+            urllib.request.urlopen(s.base_url.replace("https", "http") + "/health", timeout=10)
+    finally:
+        s.stop()
