@@ -32,11 +32,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
 import prometheus_client as prom
@@ -44,102 +43,18 @@ import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from engine.inputs import encode_prompt
 from engine.outputs import RequestOutput
+from engine.serving.openai_protocol import (ApiError, ChatBody, CompletionBody, DetokenizeBody, SamplingBody,
+                                            TokenizeBody, echoed_logprobs, engine_error, error_response,
+                                            field_named, logprobs_object, sse, usage, validation_error)
 from engine.serving.worker import EngineFailedError, EngineStoppedError
 from scheduler.block_manager import NoFreeBlocksError
 from scheduler.request import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error answered with OpenAI's error object: `status`, a message, and the field it is about."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status,
-                        headers=headers)
-
-
-# ---- request bodies ------------------------------------------------------------------------
-
-class _Body(pydantic.BaseModel):
-    """Fields both endpoints take. Unknown fields are refused (a typo would otherwise be silently ignored);
-    OpenAI fields this engine does not implement are taken only at their no-op values."""
-
-    model_config = pydantic.ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    # The engine's extensions (vLLM's names).
-    top_k: int | None = None
-    min_p: float | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    num_speculative_tokens: int | None = None
-    num_tree_nodes: int | None = None
-
-
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class TokenizeBody(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-
-
-class DetokenizeBody(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    model: str | None = None
-    tokens: list[int]
-
-
-class _TextPart(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class _Message(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
-    role: str
-    content: str | list[_TextPart]
-    name: str | None = None
-
-
-class ChatBody(_Body):
-    messages: list[_Message]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
 
 
 # ---- the API -------------------------------------------------------------------------------
@@ -157,8 +72,8 @@ class OpenAIApi:
         self.frontend = frontend
         self.scrape_token = scrape_token
         self.app = FastAPI(title="jax-spec-engine", docs_url=None, redoc_url=None, openapi_url=None)
-        self.app.add_exception_handler(ApiError, lambda _, e: _error(e.status, e.message, e.param, e.kind, e.headers))
-        self.app.add_exception_handler(RequestValidationError, lambda _, e: _validation_error(e))
+        self.app.add_exception_handler(ApiError, lambda _, e: error_response(e.status, e.message, e.param, e.kind, e.headers))
+        self.app.add_exception_handler(RequestValidationError, lambda _, e: validation_error(e))
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.chat_completions)
         self.app.get("/v1/models")(self.models)
@@ -210,7 +125,7 @@ class OpenAIApi:
         except pydantic.ValidationError as e:
             raise RequestValidationError(e.errors()) from None
 
-    def _sampling(self, body: _Body, num_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
+    def _sampling(self, body: SamplingBody, num_logprobs: int | None, max_tokens: int | None) -> SamplingParams:
         """The body's sampling fields as `SamplingParams` (validated: 400 naming the field)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(body, name):
@@ -231,7 +146,7 @@ class OpenAIApi:
                                       ignore_eos=body.ignore_eos, **kwargs)
             sampling.validate()
         except InvalidRequestError as e:
-            raise ApiError(400, str(e), _field_named(str(e))) from None
+            raise ApiError(400, str(e), field_named(str(e))) from None
         return sampling
 
     # ---- endpoints -------------------------------------------------------------------------
@@ -277,7 +192,7 @@ class OpenAIApi:
             i = choice["index"] // body.n
             prompt_text = prompts[i] if isinstance(prompts[i], str) else self.frontend.tokenizer.decode(encoded[i])
             if body.logprobs is not None:
-                choice["logprobs"] = _echoed_logprobs(scored[i], self.frontend.tokenizer, choice["logprobs"])
+                choice["logprobs"] = echoed_logprobs(scored[i], self.frontend.tokenizer, choice["logprobs"])
             choice["text"] = prompt_text + choice["text"]
         return response
 
@@ -348,7 +263,7 @@ class OpenAIApi:
         try:
             self._worker()
         except ApiError as e:
-            return _error(503, e.message, kind="server_error", headers=e.headers)
+            return error_response(503, e.message, kind="server_error", headers=e.headers)
         return {"status": "ok"}
 
     async def metrics(self, request: Request):
@@ -368,7 +283,7 @@ class OpenAIApi:
 
     # ---- responses -------------------------------------------------------------------------
 
-    async def _respond(self, request: Request, worker, body: _Body, prompts: list[list[int]],
+    async def _respond(self, request: Request, worker, body: SamplingBody, prompts: list[list[int]],
                        sampling: SamplingParams, tenant: str, chat: bool):
         """Submits `body.n` samples of every prompt and answers with the whole response or an SSE stream."""
         streams = []
@@ -394,14 +309,14 @@ class OpenAIApi:
                 return Response(status_code=499)
             outputs = gathered.result()
         except (InvalidRequestError, EngineFailedError, EngineStoppedError) as e:
-            raise _engine_error(e) from None
+            raise engine_error(e) from None
         finally:
             watcher.cancel()
             for s in streams:
                 worker.abort(s)  # a finished one is ignored
         choices = []
         for index, out in enumerate(outputs):
-            logprobs = _logprobs(out, sampling.logprobs, tokenizer, chat) if sampling.logprobs is not None else None
+            logprobs = logprobs_object(out, sampling.logprobs, tokenizer, chat) if sampling.logprobs is not None else None
             if chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
                                 "logprobs": logprobs, "finish_reason": out.finish_reason})
@@ -409,7 +324,7 @@ class OpenAIApi:
                 choices.append({"index": index, "text": out.text, "logprobs": logprobs,
                                 "finish_reason": out.finish_reason})
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": _usage(outputs, body.n)}
+                "usage": usage(outputs, body.n)}
 
     async def _events(self, worker, streams, meta: dict, chat: bool, num_logprobs: int | None, tokenizer,
                       include_usage: bool):
@@ -422,27 +337,27 @@ class OpenAIApi:
         try:
             if chat:
                 for index in range(len(streams)):
-                    yield _sse({**meta, "object": kind, "choices": [
+                    yield sse({**meta, "object": kind, "choices": [
                         {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}]})
             left = len(streams)
             while left:
                 index, item = await queue.get()
                 if isinstance(item, Exception):
-                    error = _engine_error(item)
-                    yield _sse({"error": {"message": error.message, "type": error.kind, "param": error.param,
+                    error = engine_error(item)
+                    yield sse({"error": {"message": error.message, "type": error.kind, "param": error.param,
                                           "code": None}})
                     return
-                lp = _logprobs(item, num_logprobs, tokenizer, chat, delta=True) if num_logprobs is not None else None
+                lp = logprobs_object(item, num_logprobs, tokenizer, chat, delta=True) if num_logprobs is not None else None
                 choice = ({"index": index, "delta": {"content": item.delta_text}} if chat
                           else {"index": index, "text": item.delta_text})
                 choice.update(logprobs=lp, finish_reason=item.finish_reason)
-                yield _sse({**meta, "object": kind, "choices": [choice]})
+                yield sse({**meta, "object": kind, "choices": [choice]})
                 if item.finished:
                     finals[index] = item
                     left -= 1
             if include_usage:
-                yield _sse({**meta, "object": kind, "choices": [], "usage": _usage(finals, 1)})
+                yield sse({**meta, "object": kind, "choices": [], "usage": usage(finals, 1)})
             yield "data: [DONE]\n\n"
         finally:
             for p in pumps:
@@ -489,10 +404,6 @@ class HttpServer:
 
 # ---- helpers -------------------------------------------------------------------------------
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 async def _last(stream) -> RequestOutput:
     """The stream's last output (its finished one); raises the error it ends with."""
     while True:
@@ -517,79 +428,3 @@ async def _until_disconnected(request: Request) -> None:
         await asyncio.sleep(0.1)
 
 
-def _usage(outputs, n: int) -> dict:
-    """OpenAI's usage over the choices: the prompt counted once per prompt (every n-th choice)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n] if o is not None)
-    completion = sum(len(o.token_ids) for o in outputs if o is not None)
-    cached = sum(o.num_cached_tokens for o in outputs[::n] if o is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _logprobs(out: RequestOutput, n: int, tokenizer, chat: bool, delta: bool = False) -> dict:
-    """OpenAI's logprobs object of `out`'s tokens (its new ones with `delta`): chat's `content` list, or the
-    completions arrays (tokens, token_logprobs, top_logprobs, text_offset)."""
-    ids = out.delta_token_ids if delta else out.token_ids
-    entries = out.logprobs[len(out.logprobs) - len(ids):] if ids else []
-    text = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-    tops = [[(tokenizer.decode([k], skip_special_tokens=False), v) for k, v in list(e.items())[:n]] for e in entries]
-    if chat:
-        return {"content": [{"token": s, "logprob": e[t], "bytes": list(s.encode()),
-                             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top]}
-                            for s, t, e, top in zip(text, ids, entries, tops)]}
-    offsets, at = [], len(out.text) - len(out.delta_text) if delta else 0
-    for s in text:
-        offsets.append(at)
-        at += len(s)
-    return {"tokens": text, "token_logprobs": [e[t] for t, e in zip(ids, entries)],
-            "top_logprobs": [dict(top) for top in tops], "text_offset": offsets}
-
-
-def _echoed_logprobs(scored, tokenizer, completion: dict | None) -> dict:
-    """Completions' logprobs of an echoed prompt (`ScoreOutput`) followed by the completion's (`completion`,
-    None when nothing was generated): the first prompt token has none; each other's `top_logprobs` holds the
-    token and its position's argmax (one entry when they are the same token)."""
-    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in scored.token_ids]
-    tops = [None]
-    for t, lp, top_id, top_lp in zip(scored.token_ids[1:], scored.token_logprobs, scored.top_token_ids,
-                                     scored.top_logprobs):
-        entry = {tokenizer.decode([t], skip_special_tokens=False): lp}
-        entry[tokenizer.decode([int(top_id)], skip_special_tokens=False)] = lp if top_id == t else top_lp
-        tops.append(entry)
-    offsets, at = [], 0
-    for s in texts:
-        offsets.append(at)
-        at += len(s)
-    out = {"tokens": texts, "token_logprobs": [None, *scored.token_logprobs], "top_logprobs": tops,
-           "text_offset": offsets}
-    if completion is not None:
-        out["tokens"] += completion["tokens"]
-        out["token_logprobs"] += completion["token_logprobs"]
-        out["top_logprobs"] += completion["top_logprobs"]
-        out["text_offset"] += [at + o for o in completion["text_offset"]]
-    return out
-
-
-def _engine_error(e: Exception) -> ApiError:
-    if isinstance(e, InvalidRequestError):
-        return ApiError(400, str(e), _field_named(str(e)))
-    if isinstance(e, EngineStoppedError):
-        return ApiError(503, "the server is shutting down", kind="server_error", headers={"Retry-After": "5"})
-    return ApiError(500, str(e), kind="server_error")
-
-
-def _field_named(message: str) -> str | None:
-    """The request field an engine error message starts with ("top_p must be ..." -> "top_p")."""
-    first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
-    return first if first in CompletionBody.model_fields or first in ChatBody.model_fields else None
-
-
-def _validation_error(e: RequestValidationError) -> JSONResponse:
-    """pydantic's first error as OpenAI's error object, naming the field (`param`)."""
-    err = e.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-    if err.get("type") == "extra_forbidden":
-        message = f"unknown field {param}: this server does not take it"
-    return _error(400, message, param)
