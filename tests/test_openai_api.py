@@ -2,9 +2,13 @@
 random-weight model: outputs equal `LLM.generate`'s, errors name their field, a dropped stream frees its
 blocks. The server runs in this process on its own event-loop thread (`tests.servers.ServerThread`)."""
 
+import glob
 import json
+import os
 import shutil
+import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -223,13 +227,11 @@ def test_echo_returns_the_prompt_logprobs_of_llm_score(server, client, llm):
         client.completions.create(model="tiny-llama", prompt=ids, max_tokens=0)
 
 
-def test_lm_eval_local_completions_scores_equal_llm_score(server, llm, tmp_path, monkeypatch):
+def test_lm_eval_local_completions_scores_equal_llm_score(server, llm, tmp_path):
     """lm-evaluation-harness's `local-completions` model (its remote tokenizer reads /tokenizer_info and
     /tokenize) runs a loglikelihood task written here: every pair's log-likelihood and greedy flag are what
     `LLM.score` gives on the same tokens."""
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager
-
+    pytest.importorskip("lm_eval")
     pairs = [{"context": "The cat sat on", "continuation": " the mat"},
              {"context": "One two three", "continuation": " four"},
              {"context": "hello", "continuation": " world!"},
@@ -242,24 +244,27 @@ def test_lm_eval_local_completions_scores_equal_llm_score(server, llm, tmp_path,
         'doc_to_text: "{{context}}"\ndoc_to_target: "{{continuation}}"\n'
         "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
         "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args={"base_url": server.base_url + "/v1/completions", "model": "tiny-llama",
-                    "tokenizer_backend": "remote", "auth_token": TOKEN, "max_retries": 1},
-        tasks=["jse_pairs"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
-        cache_requests=False)
-    samples = sorted(results["samples"]["jse_pairs"], key=lambda s: s["doc_id"])
+    # Its command line, in a process of its own: lm-eval forks, which a process running JAX must not.
+    env = dict(os.environ, OPENAI_API_KEY=TOKEN, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    model_args = (f"base_url={server.base_url}/v1/completions,model=tiny-llama,tokenizer_backend=remote,"
+                  f"auth_token={TOKEN},max_retries=1")
+    out = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+                          "--tasks", "jse_pairs", "--include_path", str(tmp_path), "--log_samples",
+                          "--output_path", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [path] = glob.glob(str(tmp_path / "out" / "**" / "samples_jse_pairs_*.jsonl"), recursive=True)
+    with open(path) as f:
+        results = [json.loads(line) for line in f]
+    samples = sorted(results, key=lambda s: s["doc_id"])
     assert len(samples) == len(pairs)
     for sample, pair in zip(samples, pairs):
         context = llm.tokenizer.encode(pair["context"])
         whole = llm.tokenizer.encode(pair["context"] + pair["continuation"])
         want = server.on_engine(lambda _: llm.score([whole])[0])
-        got_ll, got_greedy = sample["resps"][0][0]
-        assert got_ll == pytest.approx(sum(want.token_logprobs[len(context) - 1:]), abs=1e-4)
-        assert got_greedy == all(want.token_is_greedy[len(context) - 1:])
+        got_ll, got_greedy = sample["resps"][0][0]  # the samples file writes them as strings
+        assert float(got_ll) == pytest.approx(sum(want.token_logprobs[len(context) - 1:]), abs=1e-4)
+        assert got_greedy == str(all(want.token_is_greedy[len(context) - 1:]))
 
 
 def test_https_with_the_servers_certificate(llm, tmp_path):
@@ -276,7 +281,7 @@ def test_https_with_the_servers_certificate(llm, tmp_path):
     s = ServerThread(llm, http=True, http_tls=(str(cert), str(key)))
     try:
         secure = openai.OpenAI(base_url=s.base_url + "/v1", api_key="unused", max_retries=0,
-                               http_client=openai.DefaultHttpxClient(verify=str(cert)))
+                               http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert))))
         got = secure.completions.create(model="tiny-llama", prompt="ab", max_tokens=3, temperature=0,
                                         extra_body={"ignore_eos": True})
         want = _offline(s, llm, ["ab"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
