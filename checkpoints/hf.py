@@ -2,7 +2,9 @@
 
 Format spec: the safetensors README (github.com/huggingface/safetensors): an 8-byte
 little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the
-raw little-endian data. Tensor names are transformers' `LlamaForCausalLM`/`Qwen2ForCausalLM`.
+raw little-endian data. Tensor names are transformers' (`LlamaForCausalLM` and the families
+`ModelConfig.from_hf_config` reads: Gemma's four norms per layer in `hf_names`, Phi-3's fused
+`qkv_proj` and `gate_up_proj` split in `_split_fused`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,39 @@ HF_NAMES: NameMap = {
     "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
+    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
 }
+
+# Gemma 2/3 norm the attention's input, its output, the MLP's input and its output; Llama's
+# `post_attention_layernorm` is the MLP's input norm, Gemma's the attention output's.
+_GEMMA_NORMS: NameMap = {
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
+    "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
+}
+
+
+def hf_names(cfg: ModelConfig) -> NameMap:
+    """transformers' tensor names for `cfg`'s family."""
+    return {**HF_NAMES, **_GEMMA_NORMS} if cfg.sandwich_norms else HF_NAMES
+
+
+def _split_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Adds q/k/v and gate/up views (no copies) of Phi-3's fused `qkv_proj` (rows: H*D of q, K*D of k, K*D of
+    v) and `gate_up_proj` (F rows of gate, then F of up), as transformers' `Phi3Attention` and `Phi3MLP` split
+    them."""
+    q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        if (qkv := tensors.get(pre + "self_attn.qkv_proj.weight")) is not None:
+            tensors[pre + "self_attn.q_proj.weight"] = qkv[:q]
+            tensors[pre + "self_attn.k_proj.weight"] = qkv[q:q + kv]
+            tensors[pre + "self_attn.v_proj.weight"] = qkv[q + kv:]
+        if (gate_up := tensors.get(pre + "mlp.gate_up_proj.weight")) is not None:
+            tensors[pre + "mlp.gate_proj.weight"] = gate_up[:F]
+            tensors[pre + "mlp.up_proj.weight"] = gate_up[F:]
 
 # The numpy API of safetensors has no bfloat16, so tensors are memory-mapped by hand.
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64, "I32": np.int32}
@@ -65,7 +99,7 @@ def checkpoint_dtype(hf: dict) -> str:
 
 
 def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Reads a transformers Llama/Mistral/Qwen2 directory into (config, params).
+    """Reads a transformers directory of a family `ModelConfig.from_hf_config` reads into (config, params).
 
     Params are numpy arrays named and shaped as `param_specs(config)`, in `dtype` (default: the
     checkpoint's dtype when bfloat16, else float32). Raises FileNotFoundError when there is no
@@ -88,17 +122,26 @@ def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[Mode
     tensors = {}
     for name in files:
         tensors.update(open_safetensors(os.path.join(path, name)))
+    _split_fused(tensors, cfg)
 
     def fetch(name: str) -> np.ndarray:
         if name not in tensors:
             raise KeyError(f"{path} has no tensor {name!r}")
         return tensors[name]
 
-    return cfg, gather(cfg, HF_NAMES, fetch)
+    return cfg, gather(cfg, hf_names(cfg), fetch)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
-    """The transformers `config.json` for `cfg` (qkv_bias -> Qwen2, else Llama)."""
+    """The transformers `config.json` for `cfg` (qkv_bias -> Qwen2, else Llama). Raises ValueError for a
+    config of another family (QK-norm, windows, Gemma's fields), which these two cannot express."""
+    plain = ModelConfig(**{f: getattr(cfg, f) for f in ("name", "vocab_size", "hidden_size", "intermediate_size",
+                                                        "num_layers", "num_heads", "num_kv_heads", "head_dim")})
+    family = [f for f in ("qk_norm", "layer_windows", "rope_local_theta", "norm_offset", "sandwich_norms",
+                          "hidden_act", "scale_embeddings", "sm_scale", "attn_softcap", "final_softcap")
+              if getattr(cfg, f) != getattr(plain, f)]
+    if family:
+        raise ValueError(f"{cfg.name}: only Llama and Qwen2 configs are written; this one sets {', '.join(family)}")
     qwen = cfg.qkv_bias
     rope_scaling = None
     if cfg.rope_scaling is not None:
@@ -138,12 +181,13 @@ def save_hf_dir(path: str | os.PathLike, cfg: ModelConfig, params: dict[str, np.
     """Writes `config.json` and `model.safetensors` (and the tokenizer's files if given) so that
     `load_hf_dir` and transformers' `from_pretrained` read it back. Params are saved in
     `cfg.dtype`; tied embeddings are written once (no `lm_head.weight`)."""
+    config = hf_config_dict(cfg)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = scatter(cfg, HF_NAMES, cast(params, cfg.dtype))
     safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(cfg), f, indent=2)
+        json.dump(config, f, indent=2)
     if tokenizer is not None:
         tokenizer.save(path)
 

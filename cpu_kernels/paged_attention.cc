@@ -15,6 +15,9 @@
 // and sum per row, the accumulator rescaled when the max grows. exp is a vectorized polynomial (Cephes' expf range reduction,
 // relative error below 2e-7). Accumulation is float32; the pool is float32 or bfloat16.
 //
+// Sliding windows: with a window W > 0 the token at position p sees KV positions p - W + 1 .. p only; the walk
+// starts at the tile holding the earliest position any row of the item sees.
+//
 // Token trees: with a tree mask (int32 per query token), a token sees KV position p of its window (the step's
 // own tokens, from seq_len - n_s) only if bit p - (seq_len - n_s) of its mask is set (positions from the
 // 33rd window token on are not gated): the rule of reference.tree_visible. The cached prefix is unaffected.
@@ -119,6 +122,7 @@ struct Rows {
   const float* q[kMaxRows];
   float* out[kMaxRows];
   int64_t limit[kMaxRows];  // KV positions the row attends to (its causal limit)
+  int64_t start[kMaxRows];  // the first KV position it sees (its sliding window's start; 0 without one)
   bool tree = false;        // the rows carry tree masks:
   uint32_t bits[kMaxRows];  // the row's token's mask
   int64_t window[kMaxRows];  // KV position of its sequence's first step token
@@ -128,13 +132,22 @@ struct Rows {
 // kTile positions from j0) and, with tree masks, its mask.
 inline uint32_t visible(const Rows& R, int64_t r, int64_t j0, int64_t valid) {
   static_assert(kTile == 32, "one bit per tile position");
-  if (valid <= 0) return 0;
-  const uint32_t causal = valid >= 32 ? ~0u : (1u << valid) - 1;
+  const int64_t skip = R.start[r] - j0;  // the tile's positions before the row's window
+  if (valid <= 0 || skip >= kTile) return 0;
+  uint32_t causal = valid >= 32 ? ~0u : (1u << valid) - 1;
+  if (skip > 0) causal &= ~((1u << skip) - 1);
   const int64_t shift = j0 - (R.tree ? R.window[r] : 0);  // window index of position j0
   if (!R.tree || shift >= kTreeWindow || shift <= -kTile) return causal;
   const uint64_t ext = R.bits[r] | (~0ull << kTreeWindow);  // window index e < 64 is visible iff bit e
   const uint64_t word = shift >= 0 ? ext >> shift : (ext << -shift) | ((1ull << -shift) - 1);
   return causal & static_cast<uint32_t>(word);
+}
+
+// The first tile (a multiple of kTile) any row of R sees.
+inline int64_t first_tile(const Rows& R) {
+  int64_t first = R.n ? R.start[0] : 0;
+  for (int64_t r = 1; r < R.n; ++r) first = std::min(first, R.start[r]);
+  return first / kTile * kTile;
 }
 
 // acc[0, 8 ND) = acc * corr + sum_{jj < n} p[jj] v_jj[d0, d0 + 8 ND). ND is a constant so the ND
@@ -171,7 +184,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
   alignas(32) static thread_local float zeros[kMaxD];  // K of the positions past the context in a group of 8
   const float* krow[kTile];  // each position's K and V row: in the pool itself (f32), else converted to f32
   const float* vrow[kTile];
-  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+  for (int64_t j0 = first_tile(R); j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj, slot = static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B;
@@ -304,7 +317,7 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
     std::fill(acc[r], acc[r] + D, 0.f);
     longest = std::max(longest, R.limit[r]);
   }
-  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+  for (int64_t j0 = first_tile(R); j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < kTile; ++jj) {
       if (jj >= n) {
@@ -493,7 +506,7 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
   int64_t at[kTile];
   const KV* krow[kTile];
   const KV* vrow[kTile];
-  for (int64_t j0 = 0; j0 < longest; j0 += kTile) {
+  for (int64_t j0 = first_tile(R); j0 < longest; j0 += kTile) {
     const int64_t n = std::min(kTile, longest - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t j = j0 + jj;
@@ -501,7 +514,7 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
     }
     // The tile after next, requested now (the first call: the next one too): one item's walk alone keeps
     // too few misses in flight.
-    for (int64_t j = j0 == 0 ? kTile : j0 + 2 * kTile; j < std::min(longest, j0 + 3 * kTile); ++j) {
+    for (int64_t j = j0 == first_tile(R) ? j0 + kTile : j0 + 2 * kTile; j < std::min(longest, j0 + 3 * kTile); ++j) {
       const int64_t a = (static_cast<int64_t>(table[j / L.B]) * L.B + j % L.B) * row + kh0 * D;
       const char *kp = reinterpret_cast<const char*>(k_layer + a), *vp = reinterpret_cast<const char*>(v_layer + a);
       for (int64_t b = 0; b < static_cast<int64_t>(sizeof(KV)) * D * heads; b += 64) _mm_prefetch(kp + b, _MM_HINT_T0), _mm_prefetch(vp + b, _MM_HINT_T0);
@@ -552,6 +565,7 @@ struct Job {
     int64_t window;             // KV position of the sequence's first step token
   };
   const int32_t* tree = nullptr;  // tree masks [T], or none (causal)
+  int64_t sliding = 0;            // the sliding window, 0: none
   std::vector<Tile> tiles;
   struct Item {
     int32_t tile, kh0, heads;  // KV heads kh0 .. kh0 + heads - 1 of one tile
@@ -570,6 +584,7 @@ struct Job {
         for (int64_t g = 0; g < L.G; ++g, ++R.n) {
           const int64_t at = ((t.first + ti) * L.H + kh * L.G + g) * L.D;
           R.q[R.n] = q + at, R.out[R.n] = out + at, R.limit[R.n] = t.ctx0 + ti + 1;
+          R.start[R.n] = sliding > 0 ? std::max<int64_t>(0, t.ctx0 + ti + 1 - sliding) : 0;
           if (tree) R.bits[R.n] = static_cast<uint32_t>(tree[t.first + ti]), R.window[R.n] = t.window;
         }
     R.tree = tree != nullptr;
@@ -595,9 +610,9 @@ struct Job {
 template <typename KV>
 ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* k, const KV* v,
                const int32_t* tables, const int32_t* seq_lens, const int32_t* qsl, const int32_t* tree, int64_t S,
-               int64_t layer, float* out) {
+               int64_t layer, int64_t sliding, float* out) {
   auto job = std::make_shared<Job<KV>>();
-  job->L = L, job->q = q, job->tables = tables, job->out = out, job->tree = tree;
+  job->L = L, job->q = q, job->tables = tables, job->out = out, job->tree = tree, job->sliding = sliding;
   const int64_t layer_elems = L.P * L.B * L.Kh * L.D;
   job->k_layer = k + layer * layer_elems, job->v_layer = v + layer * layer_elems;
   std::vector<bool> covered(L.T, false);
@@ -646,8 +661,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Layout& L, const float* q, const KV* 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> tree_mask, float sm_scale,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> sliding_window,
+                              ffi::Buffer<ffi::S32> tree_mask, float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || bd.size() != 2 || k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged attention: want q [T, H, D], pools [L, P, B, K, D], tables [S, M]");
@@ -657,7 +672,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       seq_lens.element_count() != S || query_start_loc.element_count() != S + 1 ||
       (tree_mask.element_count() != 0 && tree_mask.element_count() != L.T))
     return ffi::Error::InvalidArgument("paged attention: unsupported or inconsistent shapes");
-  const int64_t lay = layer.typed_data()[0];
+  const int64_t lay = layer.typed_data()[0], sliding = sliding_window.typed_data()[0];
   if (lay < 0 || lay >= kd[0]) return ffi::Error::InvalidArgument("paged attention: layer out of range");
   const float* qp = q.typed_data();
   const int32_t *tp = block_tables.typed_data(), *sp = seq_lens.typed_data(), *qs = query_start_loc.typed_data();
@@ -666,10 +681,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   switch (k_pages.element_type()) {
     case ffi::DataType::F32:
       return Run(pool, L, qp, static_cast<const float*>(k_pages.untyped_data()),
-                 static_cast<const float*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, op);
+                 static_cast<const float*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, sliding, op);
     case ffi::DataType::BF16:
       return Run(pool, L, qp, static_cast<const uint16_t*>(k_pages.untyped_data()),
-                 static_cast<const uint16_t*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, op);
+                 static_cast<const uint16_t*>(v_pages.untyped_data()), tp, sp, qs, tree, S, lay, sliding, op);
     default:
       return ffi::Error::InvalidArgument("paged attention: the pool must be f32 or bf16");
   }
@@ -687,6 +702,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window []: 0 = none
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tree_mask [T], or [0]: causal
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]

@@ -175,7 +175,7 @@ def measure(cfg: ModelConfig, dtype: str, candidates: list[str],
         def forward(state, token_ids, graphdef=graphdef):
             m = nnx.merge(graphdef, state)
             positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-            hidden, _ = m(token_ids, positions, lambda q, k, v, layer, cache: (q, cache), None)
+            hidden, _ = m(token_ids, positions, lambda q, k, v, layer, cache, spec: (q, cache), None)
             return m.head_logits(hidden)
 
         for T in MEASURE_TOKENS:

@@ -24,7 +24,7 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 from model.eagle import FC, EagleHead
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from model.llama import TP_AXIS, Llama, kv_heads_per_device
+from model.llama import TP_AXIS, LayerAttention, Llama, kv_heads_per_device
 from scheduler.request import MAX_LOGPROBS
 
 
@@ -47,15 +47,19 @@ SKINNY_MAX_ROWS = 64
 NATIVE_ATTENTION_MAX_TOKENS = 512
 
 
-def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer, tree_mask=None):
+def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer, *, sm_scale=None,
+                        softcap=0.0, sliding_window=0, tree_mask=None):
     """Paged attention on CPU, chosen at trace time from static shapes: the native kernel
     (`cpu_kernels.paged_attention`) for steps of at most `NATIVE_ATTENTION_MAX_TOKENS` tokens with head shapes it
-    takes, else `ragged_paged_attention_reference`. Same contract as both."""
+    takes and no soft-cap (Gemma 2's; the kernel has no tanh), else `ragged_paged_attention_reference`. Same
+    contract as both."""
     T, H, D = q.shape
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer)
-    if T <= NATIVE_ATTENTION_MAX_TOKENS and cpu_kernels.paged_attention_supported(H, k_pages.shape[3], D):
-        return cpu_kernels.paged_attention(*args, tree_mask=tree_mask)
-    return ragged_paged_attention_reference(*args, tree_mask=tree_mask)
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, tree_mask=tree_mask)
+    if (T <= NATIVE_ATTENTION_MAX_TOKENS and not softcap
+            and cpu_kernels.paged_attention_supported(H, k_pages.shape[3], D)):
+        return cpu_kernels.paged_attention(*args, **kw)
+    return ragged_paged_attention_reference(*args, softcap=softcap, **kw)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -266,13 +270,13 @@ def paged_attend(batch: StepBatch, attention: Callable, tree_mask: jax.Array | N
     each window token then sees its ancestors only (`engine.spec.tree_verify`)."""
     extra = {} if tree_mask is None else {"tree_mask": tree_mask}
 
-    def attend(q, k, v, layer, pool: KVPool):
+    def attend(q, k, v, layer, pool: KVPool, spec: LayerAttention):
         B = pool.k.shape[2]
         blk, off = batch.slot_mapping // B, batch.slot_mapping % B
         pool = KVPool(pool.k.at[layer, blk, off].set(k.astype(pool.k.dtype)),
                       pool.v.at[layer, blk, off].set(v.astype(pool.v.dtype)))
         out = attention(q, pool.k, pool.v, batch.block_tables, batch.seq_lens, batch.query_start_loc, layer,
-                        **extra)
+                        sm_scale=spec.sm_scale, softcap=spec.softcap, sliding_window=spec.window, **extra)
         return out, pool
 
     return attend

@@ -27,7 +27,12 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2)."""
+    """Hyper-parameters of a Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3, Gemma 2/3, SmolLM2).
+
+    The families differ in fields, not in code paths of their own: `qk_norm` (Qwen3, Gemma 3),
+    `layer_windows` (sliding-window attention: Mistral, Gemma 2/3), `norm_offset`, `sandwich_norms`,
+    `hidden_act`, `scale_embeddings`, `sm_scale`, the soft-caps and `rope_local_theta` (Gemma 2/3).
+    """
 
     name: str
     vocab_size: int  # V
@@ -49,6 +54,18 @@ class ModelConfig:
     # > 0: logits only for this many vocabulary entries (the `head_ids` param), the rest get
     # probability 0 — a draft's cheap output head (the head is most of a small draft's cost).
     head_vocab_size: int = 0
+    qk_norm: bool = False  # RMSNorm over each head's D of q and k before RoPE (Qwen3, Gemma 3)
+    # Per layer, the sliding window W of its attention (a token at position p sees positions p-W+1..p;
+    # transformers' `sliding_window`), 0 for global attention; () = every layer global.
+    layer_windows: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0  # RoPE base of windowed layers (Gemma 3's local layers); 0 = rope_theta
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + weight): Gemma's 1 + w
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh" (GeGLU, Gemma)
+    scale_embeddings: bool = False  # token embeddings times sqrt(E), rounded to the dtype (Gemma)
+    sm_scale: float = 0.0  # attention's score scale; 0 = 1/sqrt(D) (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the softmax (Gemma 2); 0 = none
+    final_softcap: float = 0.0  # the same on the output logits (Gemma 2)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +74,21 @@ class ModelConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows needs {self.num_layers} windows >= 0 (0: global), "
+                             f"got {self.layer_windows}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for global attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def max_window(self) -> int:
+        """The widest window when every layer is windowed (a sequence's KV before its position minus this is
+        never read again), else 0."""
+        return max(self.layer_windows) if self.layer_windows and min(self.layer_windows) > 0 else 0
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -68,24 +100,40 @@ class ModelConfig:
         per_layer = 2 * E + E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
+        if self.qk_norm:
+            per_layer += 2 * D
+        if self.sandwich_norms:
+            per_layer += 2 * E
         return V * E * (1 if self.tie_word_embeddings else 2) + L * per_layer + E
 
     @classmethod
     def from_hf_config(cls, path: str, name: str | None = None) -> "ModelConfig":
         """Reads a Hugging Face `config.json` (a file or the directory holding it).
 
-        Supports `model_type` llama, mistral and qwen2. Raises ValueError for others.
+        Supports `model_type` in `HF_MODEL_TYPES`, with transformers 4.x and 5.x key names (5.x moved the
+        RoPE settings into `rope_parameters`, per layer type for Gemma 3). Raises ValueError for another
+        model type, RoPE scaling other than Llama 3's, or Phi-3's partial rotary embedding.
         """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         with open(path) as f:
             hf = json.load(f)
         model_type = hf.get("model_type")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r} in {path}")
-        # transformers 5 moves rope settings into `rope_parameters`.
+        if model_type not in HF_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} in {path}; supported: {', '.join(HF_MODEL_TYPES)}")
+        gemma = model_type in ("gemma2", "gemma3_text")
+        heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        local_rope = {}
+        if "full_attention" in rope:  # per layer type (Gemma 3 under transformers 5)
+            rope, local_rope = rope["full_attention"] or {}, rope.get("sliding_attention") or {}
+        theta = float(hf.get("rope_theta", rope.get("rope_theta", 1e6 if model_type == "gemma3_text" else 10000.0)))
+        local_theta = 0.0
+        if model_type == "gemma3_text":
+            local_theta = float(hf.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
+        if float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise ValueError(f"partial rotary embeddings are not supported ({path})")
         scaling = None
         if rope.get("rope_type", rope.get("type")) == "llama3":
             scaling = RopeScaling(
@@ -96,29 +144,67 @@ class ModelConfig:
             )
         elif rope.get("rope_type", rope.get("type")) not in (None, "default"):
             raise ValueError(f"unsupported rope scaling {rope!r} in {path}")
-        if hf.get("sliding_window") and model_type == "mistral":
-            raise ValueError("sliding-window attention is not supported")
-        heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        scalar = hf.get("query_pre_attn_scalar")
         return cls(
             name=name or hf.get("_name_or_path") or model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads", heads),
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            tie_word_embeddings=hf.get("tie_word_embeddings", gemma),
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            layer_windows=_hf_layer_windows(hf, model_type, num_layers),
+            rope_local_theta=local_theta,
+            norm_offset=1.0 if gemma else 0.0,
+            sandwich_norms=gemma,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            scale_embeddings=gemma,
+            sm_scale=float(scalar) ** -0.5 if gemma and scalar else 0.0,
+            attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+            final_softcap=float(hf.get("final_logit_softcapping") or 0.0),
         )
+
+
+# transformers' `model_type`s `ModelConfig.from_hf_config` reads.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+
+
+def _hf_layer_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows of a `config.json` (0: global), () when every layer is global: its
+    `layer_types` where present, else each family's rule as transformers' config classes state it
+    (Mistral and Phi-3 window every layer; Qwen2/3 the layers from `max_window_layers` on with
+    `use_sliding_window`; Gemma 2 every other layer from the first, Gemma 3 five of every six)."""
+    window = hf.get("sliding_window") or 0
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = 0
+    if not window:
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        if model_type in ("qwen2", "qwen3"):
+            first = hf.get("max_window_layers", 0)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        elif model_type in ("gemma2", "gemma3_text"):
+            every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
+        elif model_type in ("mistral", "phi3"):
+            types = ["sliding_attention"] * num_layers
+        else:
+            return ()
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {}

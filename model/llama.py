@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in Flax NNX.
+"""The Llama-family decoder (Llama 2/3, Qwen2/3, Mistral, Phi-3, Gemma 2/3, SmolLM2) in Flax NNX.
 
 Checkpoints declare layer weights stacked along a leading `L` axis
 (`param_specs`); the module keeps one `Block` per layer. The forward pass reads and writes a paged KV pool through the attention function
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,12 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
         "w_down": ((L, F, E), ("layers", "mlp", "embed")),
         "final_norm": ((E,), ("embed",)),
     }
+    if cfg.qk_norm:
+        specs["q_norm"] = ((L, D), ("layers", "head_dim"))
+        specs["k_norm"] = ((L, D), ("layers", "head_dim"))
+    if cfg.sandwich_norms:
+        specs["post_attn_norm"] = ((L, E), ("layers", "embed"))
+        specs["post_mlp_norm"] = ((L, E), ("layers", "embed"))
     if cfg.qkv_bias:
         specs["bq"] = ((L, H * D), ("layers", "q_heads"))
         specs["bk"] = ((L, K * D), ("layers", "kv_heads"))
@@ -55,18 +61,23 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
     return specs
 
 
-LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv")
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
+                "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+# A layer's small per-layer vectors, beside its products: stacked along L in a scan over the layers.
+LAYER_VECTORS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies, float32 `[D/2]`, with Llama-3 scaling if configured.
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies, float32 `[D/2]`, with Llama-3 scaling if configured; `local`: those of
+    windowed layers with base `cfg.rope_local_theta` (Gemma 3), unscaled.
 
     Source: Su et al. 2021 (RoFormer) §3.4; Llama-3 scaling as in Meta's
     reference `apply_scaling` (Llama 3.1 release).
     """
     D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    s = cfg.rope_scaling
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    s = None if local else cfg.rope_scaling
     if s is not None:
         low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
         high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -80,7 +91,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def rope_table(cfg: ModelConfig) -> np.ndarray:
+def rope_table(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     """cos and sin of every position's RoPE angles, float32 `[max_position_embeddings, 2, D/2]`.
 
     The angle is the float32 product `position * inv_freq` and its cos and sin
@@ -88,7 +99,7 @@ def rope_table(cfg: ModelConfig) -> np.ndarray:
     sin/cos in the step: XLA fuses them into each layer's rotation of q and of
     k and evaluates them per head there (4% of a batch job's time on CPU).
     """
-    angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * rope_inv_freq(cfg)[None, :]
+    angles = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * rope_inv_freq(cfg, local)[None, :]
     return np.stack([np.cos(angles.astype(np.float64)), np.sin(angles.astype(np.float64))], axis=1).astype(np.float32)
 
 
@@ -105,14 +116,31 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) over the last axis, in float32, scaled by `offset + weight` (Gemma's
+    checkpoints store w - 1: offset 1)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(numerics.row_sum(xf * xf)[..., None] / xf.shape[-1] + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
-# attend(q [T,H,D], k [T,K,D], v [T,K,D], layer, cache) -> (out [T,H,D], cache)
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object], tuple[jax.Array, object]]
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """`cap * tanh(x / cap)` (Gemma 2's logit soft-capping), x itself for cap 0."""
+    return cap * jnp.tanh(x / cap) if cap else x
+
+
+class LayerAttention(NamedTuple):
+    """What one layer's attention needs beside q, k and v: its sliding window W (int, or int32 `[]` inside a
+    scan over layers; a token at position p sees p-W+1..p; 0 = global), the score scale (`sm_scale`) and the
+    scores' soft-cap (0 = none)."""
+
+    window: int | jax.Array
+    sm_scale: float
+    softcap: float
+
+
+# attend(q [T,H,D], k [T,K,D], v [T,K,D], layer, cache, LayerAttention) -> (out [T,H,D], cache)
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, object, LayerAttention], tuple[jax.Array, object]]
 
 
 TP_AXIS = "tp"  # the mesh axis tensor parallelism splits over
@@ -202,6 +230,9 @@ class Block(nnx.Module):
             self.bqkv = nnx.Param(put("bqkv", _shard_major_qkv(w["bq"], w["bk"], w["bv"], heads, tp)))
         self.wo = nnx.Param(put("wo", w["wo"]))
         self.mlp_norm = nnx.Param(put("mlp_norm", w["mlp_norm"]))
+        for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+            if name in w:
+                setattr(self, name, nnx.Param(put(name, w[name])))
         self.w_gate_up = nnx.Param(put("w_gate_up", _shard_major_pair(w["w_gate"], w["w_up"], tp)))
         self.w_down = nnx.Param(put("w_down", w["w_down"]))
 
@@ -275,6 +306,8 @@ class Llama(nnx.Module):
             Block({n: weights[n][i] for n in LAYER_PARAMS if n in weights}, heads, tp, put)
             for i in range(cfg.num_layers)])
         self.rope = nnx.Variable(put("rope", rope_table(cfg)))
+        if cfg.rope_local_theta:
+            self.rope_local = nnx.Variable(put("rope", rope_table(cfg, local=True)))
 
     # ---- the CPU kernel for skinny products -------------------------------------------------
 
@@ -348,6 +381,9 @@ class Llama(nnx.Module):
         if cfg.qkv_bias:
             bqkv = stack("bqkv")
             params.update(bq=bqkv[..., :q], bk=bqkv[..., q:q + kv], bv=bqkv[..., q + kv:])
+        for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+            if hasattr(self.layers[0], name):
+                params[name] = stack(name)
         if not cfg.tie_word_embeddings:
             params["lm_head"] = np.asarray(self.lm_head[...])
         if cfg.head_vocab_size:
@@ -391,11 +427,15 @@ class Llama(nnx.Module):
         and the all-reduce fills them in (each row is nonzero on exactly one device, so the sum is exact)."""
         table = self.embed[...]
         if tp_axis is None:
-            return jnp.take(table, token_ids, axis=0)
-        local = token_ids - jax.lax.axis_index(tp_axis) * table.shape[0]
-        mine = (local >= 0) & (local < table.shape[0])
-        rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
-        return jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), tp_axis)
+            x = jnp.take(table, token_ids, axis=0)
+        else:
+            local = token_ids - jax.lax.axis_index(tp_axis) * table.shape[0]
+            mine = (local >= 0) & (local < table.shape[0])
+            rows = jnp.take(table, jnp.clip(local, 0, table.shape[0] - 1), axis=0)
+            x = jax.lax.psum(jnp.where(mine[:, None], rows, jnp.zeros_like(rows)), tp_axis)
+        if self.cfg.scale_embeddings:  # Gemma: the scale rounded to the dtype first, as transformers does
+            x = x * jnp.asarray(math.sqrt(self.cfg.hidden_size), x.dtype)
+        return x
 
     def _layers(self, token_ids, positions, attend, cache, inputs_embeds, tp_axis: str | None = None):
         """`__call__` on this device's weights; `tp_axis` names the mesh axis to all-reduce over (inside
@@ -411,25 +451,33 @@ class Llama(nnx.Module):
         tp = 1 if tp_axis is None else self.mesh.shape[TP_AXIS]
         H, K, D = cfg.num_heads // tp, kv_heads_per_device(cfg.num_kv_heads, tp), cfg.head_dim
         reduce = (lambda y: y) if tp_axis is None else (lambda y: jax.lax.psum(y, tp_axis))
-        cos, sin = rope_angles(positions, self.rope[...])
+        angles = rope_angles(positions, self.rope[...])
+        local_angles = rope_angles(positions, self.rope_local[...]) if cfg.rope_local_theta else angles
         x = self._embed(token_ids, tp_axis) if inputs_embeds is None else inputs_embeds
-        layer = functools.partial(self._layer, attend=attend, cos=cos, sin=sin, reduce=reduce, heads=(H, K, D))
-        bias = lambda lp: lp.bqkv[...] if cfg.qkv_bias else None
+        layer = functools.partial(self._layer, attend=attend, reduce=reduce, heads=(H, K, D))
+        vectors = lambda lp: {n: getattr(lp, n)[...] for n in LAYER_VECTORS if hasattr(lp, n)}
         product = self._layer_products(x) if tp_axis is None else None
         if product is None:
             for index, lp in enumerate(self.layers):
-                x, cache = layer(x, cache, index, (lp.attn_norm[...], lp.mlp_norm[...], bias(lp)),
+                window = cfg.window(index)
+                x, cache = layer(x, cache, index, vectors(lp), window, local_angles if window else angles,
                                  lambda h, name, lp=lp: self._linear(h, lp, name))
         else:
             def body(carry, xs):
-                index, norms = xs[0], xs[1:]
-                return layer(*carry, index, norms, lambda h, name: product(h, name, index)), None
+                index, window, vecs = xs
+                if cfg.rope_local_theta:
+                    rope = tuple(jnp.where(window > 0, a_local, a) for a_local, a in zip(local_angles, angles))
+                else:
+                    rope = angles
+                return layer(*carry, index, vecs, window if cfg.layer_windows else 0, rope,
+                             lambda h, name: product(h, name, index)), None
 
-            stack = lambda get: None if get(self.layers[0]) is None else jnp.stack([get(lp) for lp in self.layers])
-            xs = (jnp.arange(len(self.layers), dtype=jnp.int32), stack(lambda lp: lp.attn_norm[...]),
-                  stack(lambda lp: lp.mlp_norm[...]), stack(bias))
+            stacked = {n: jnp.stack([getattr(lp, n)[...] for lp in self.layers])
+                       for n in LAYER_VECTORS if hasattr(self.layers[0], n)}
+            windows = jnp.asarray([cfg.window(i) for i in range(len(self.layers))], jnp.int32)
+            xs = (jnp.arange(len(self.layers), dtype=jnp.int32), windows, stacked)
             (x, cache), _ = jax.lax.scan(body, (x, cache), xs)
-        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps), cache
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset), cache
 
     def _layer_products(self, x: jax.Array) -> Callable[[jax.Array, str, jax.Array], jax.Array] | None:
         """`product(h, name, layer)` over every layer's packed weights where all of x `[T, E]`'s products take
@@ -446,26 +494,31 @@ class Llama(nnx.Module):
                 return lambda h, name, layer: product(h, weights[name], layer).astype(h.dtype)
         return None
 
-    def _layer(self, x, cache, index, norms, linear, *, attend, cos, sin, reduce, heads):
+    def _layer(self, x, cache, index, vecs, window, rope, linear, *, attend, reduce, heads):
         """One decoder layer: x `[T, E]` -> (x, cache). `index`: the layer (int, or int32 `[]` in a scan);
-        `norms`: its (attention norm, MLP norm, QKV bias or None); `linear(h, name)`: its product `name`."""
+        `vecs`: its `LAYER_VECTORS` (norm weights, QKV bias); `window`: its sliding window (0: global);
+        `rope`: (cos, sin) of its RoPE base; `linear(h, name)`: its product `name`."""
         cfg = self.cfg
         (H, K, D), T = heads, x.shape[0]
-        attn_norm, mlp_norm, bqkv = norms
+        norm = lambda h, name: rms_norm(h, vecs[name], cfg.rms_norm_eps, cfg.norm_offset)
         with jax.named_scope("attention"):
-            h = rms_norm(x, attn_norm, cfg.rms_norm_eps)
-            qkv = linear(h, "wqkv")
-            if bqkv is not None:
-                qkv = qkv + bqkv
+            qkv = linear(norm(x, "attn_norm"), "wqkv")
+            if "bqkv" in vecs:
+                qkv = qkv + vecs["bqkv"]
             q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=-1)
-            q = apply_rope(q.reshape(T, H, D), cos, sin)
-            k = apply_rope(k.reshape(T, K, D), cos, sin)
-            out, cache = attend(q, k, v.reshape(T, K, D), index, cache)
-            x = x + reduce(linear(out.reshape(T, H * D).astype(x.dtype), "wo"))
+            q, k = q.reshape(T, H, D), k.reshape(T, K, D)
+            if cfg.qk_norm:
+                q, k = norm(q, "q_norm"), norm(k, "k_norm")
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            spec = LayerAttention(window, cfg.sm_scale or 1.0 / math.sqrt(D), cfg.attn_softcap)
+            out, cache = attend(q, k, v.reshape(T, K, D), index, cache, spec)
+            h = reduce(linear(out.reshape(T, H * D).astype(x.dtype), "wo"))
+            x = x + (norm(h, "post_attn_norm") if cfg.sandwich_norms else h)
         with jax.named_scope("mlp"):
-            h = rms_norm(x, mlp_norm, cfg.rms_norm_eps)
-            gate, up = jnp.split(linear(h, "w_gate_up"), 2, axis=-1)
-            x = x + reduce(linear(numerics.silu(gate) * up, "w_down"))
+            gate, up = jnp.split(linear(norm(x, "mlp_norm"), "w_gate_up"), 2, axis=-1)
+            act = numerics.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+            h = reduce(linear(act * up, "w_down"))
+            x = x + (norm(h, "post_mlp_norm") if cfg.sandwich_norms else h)
         return x, cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -482,15 +535,17 @@ class Llama(nnx.Module):
 
     def head_logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits `[N, Vh]` of hidden states `[N, E]` over the head's own columns: `head_ids` with
-        `cfg.head_vocab_size` (Vh of them, in that order), else the whole vocabulary."""
+        `cfg.head_vocab_size` (Vh of them, in that order), else the whole vocabulary; soft-capped with
+        `cfg.final_softcap`."""
         if self.mesh is not None:
-            return self._sharded_logits(hidden)
-        weight = self._kernel_weight(self, "head", hidden)
-        if weight is not None:
-            return packed_product(hidden, weight)
-        if self.cfg.head_vocab_size:
-            return jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
-        return self._full_head_dot(hidden)
+            out = self._sharded_logits(hidden)
+        elif (weight := self._kernel_weight(self, "head", hidden)) is not None:
+            out = packed_product(hidden, weight)
+        elif self.cfg.head_vocab_size:
+            out = jax.lax.dot_general(hidden, self.head[...], (((1,), (1,)), ((), ()))).astype(jnp.float32)
+        else:
+            out = self._full_head_dot(hidden)
+        return softcap(out, self.cfg.final_softcap)
 
     def _sharded_logits(self, hidden: jax.Array) -> jax.Array:
         """`logits` of a vocabulary split over the mesh: each device's slice of the head, gathered whole."""
@@ -522,7 +577,7 @@ class Llama(nnx.Module):
         twice there, the second time at the argmax); else `logits` then `cpu_kernels.log_softmax_gather`
         (AVX-512) or its jnp reference."""
         weight = self._kernel_weight(self, "head", hidden)
-        if isinstance(weight, cpu_kernels.AmxWeight) and not self.cfg.head_vocab_size:
+        if isinstance(weight, cpu_kernels.AmxWeight) and not (self.cfg.head_vocab_size or self.cfg.final_softcap):
             logprobs, argmax = cpu_kernels.amx_head_log_softmax(hidden, weight, targets)
             return logprobs, argmax, cpu_kernels.amx_head_log_softmax(hidden, weight, argmax)[0]
         logits = self.logits(hidden)
@@ -539,7 +594,7 @@ class Llama(nnx.Module):
         positions = jnp.tile(jnp.arange(Lq, dtype=jnp.int32), S)
         segments = jnp.repeat(jnp.arange(S, dtype=jnp.int32), Lq)
         hidden, _ = self(token_ids.reshape(-1), positions,
-                         lambda q, k, v, _, c: (dense_attention(q, k, v, positions, segments), c), None)
+                         lambda q, k, v, _, c, spec: (dense_attention(q, k, v, positions, segments, spec), c), None)
         return self.logits(hidden).reshape(S, Lq, -1)
 
 
@@ -562,13 +617,16 @@ def _state_specs(state) -> object:
     return jax.tree_util.tree_map_with_path(spec, state)
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-                    segments: jax.Array) -> jax.Array:
-    """Causal attention over `[T, *, D]` tokens, masked to the same segment."""
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, segments: jax.Array,
+                    spec: LayerAttention | None = None) -> jax.Array:
+    """Causal attention over `[T, *, D]` tokens, masked to the same segment and to `spec`'s sliding window,
+    scores scaled and soft-capped as `spec` says (default: 1/sqrt(D), global, no cap)."""
     T, H, D = q.shape
     G = H // k.shape[1]
+    spec = spec or LayerAttention(0, 1.0 / math.sqrt(D), 0.0)
     qg = q.reshape(T, k.shape[1], G, D).astype(jnp.float32)
-    s = jnp.einsum("tkgd,ukd->kgtu", qg, k.astype(jnp.float32)) / math.sqrt(D)
+    s = softcap(jnp.einsum("tkgd,ukd->kgtu", qg, k.astype(jnp.float32)) * spec.sm_scale, spec.softcap)
     mask = (segments[:, None] == segments[None, :]) & (positions[None, :] <= positions[:, None])
+    mask &= (spec.window <= 0) | (positions[:, None] - positions[None, :] < spec.window)
     p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
     return jnp.einsum("kgtu,ukd->tkgd", p, v.astype(jnp.float32)).reshape(T, H, D).astype(q.dtype)

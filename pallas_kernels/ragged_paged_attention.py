@@ -130,8 +130,8 @@ def tile_layout(query_start_loc: jax.Array, seq_lens: jax.Array, block_q: int, n
     return seq, first, pos0, nq
 
 
-def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, k_ref, v_ref, *rest,
-            scale: float, gp: int, block_size: int, nblk: int, precision):
+def _kernel(layer_ref, sliding_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, k_ref, v_ref, *rest,
+            scale: float, softcap: float, gp: int, block_size: int, nblk: int, precision):
     tree = len(rest) == 3  # (window start per tile, tree mask per row, out) or (out,)
     o_ref = rest[-1]
     j = pl.program_id(0)
@@ -146,6 +146,9 @@ def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, 
     # KV tokens visible to the tile's last valid token (0 for an unused tile).
     limit = jnp.where(nq > 0, pos0 + nq, 0)
     n_steps = (limit + BK - 1) // BK
+    # With a sliding window W, the first KV position the tile's first token sees, and the step holding it.
+    sliding = sliding_ref[0]
+    first_step = jnp.where(sliding > 0, jnp.maximum(pos0 - sliding + 1, 0), 0) // BK
 
     q = q_ref[...]  # [R, D]
     row_pos = pos0 + lax.broadcasted_iota(jnp.int32, (R,), 0) // gp  # [R]
@@ -169,8 +172,11 @@ def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, 
             s = jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2) * scale
         else:
             s = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [R, BK] f32
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
         kv_pos = c * BK + lax.broadcasted_iota(jnp.int32, (BK,), 0)
         mask = kv_pos[None, :] <= row_pos[:, None]
+        mask &= (sliding <= 0) | (row_pos[:, None] - kv_pos[None, :] < sliding)
         if tree:  # reference.tree_visible, for KV positions in the window
             rel = kv_pos - window
             bit = jnp.right_shift(row_bits[:, None], jnp.clip(rel, 0, TREE_WINDOW - 1)[None, :]) & 1
@@ -192,7 +198,7 @@ def _kernel(layer_ref, tile_seq_ref, tile_pos0_ref, tile_nq_ref, bt_ref, q_ref, 
     m0 = jnp.full((R,), MASK_VALUE, jnp.float32)
     l0 = jnp.zeros((R,), jnp.float32)
     acc0 = jnp.zeros((R, D), jnp.float32)
-    _, l, acc = lax.fori_loop(0, n_steps, body, (m0, l0, acc0))
+    _, l, acc = lax.fori_loop(jnp.minimum(first_step, n_steps), n_steps, body, (m0, l0, acc0))
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     o_ref[...] = out.astype(o_ref.dtype)
 
@@ -212,6 +218,8 @@ def ragged_paged_attention(
     layer,
     *,
     sm_scale: float | None = None,
+    softcap: float = 0.0,
+    sliding_window: int | jax.Array = 0,
     block_q: int | None = None,
     kv_step: int = 32,
     backend: str | None = None,
@@ -230,6 +238,8 @@ def ragged_paged_attention(
         have query length 0; tokens at or past `query_start_loc[S]` get zeros).
       layer: layer index, Python int or int32 scalar (passed to the kernel as data).
       sm_scale: softmax scale, default `1/sqrt(D)`.
+      softcap: scores -> `softcap * tanh(scores / softcap)` (Gemma 2); 0 = none.
+      sliding_window: int or int32 scalar W (a token at p sees p-W+1..p); 0 = global.
       block_q: query tokens per tile (power of two); default `choose_block_q`.
       kv_step: KV tokens per inner-loop step (power of two >= 16); rounded up to
         the block size, i.e. `max(1, kv_step // B)` blocks per step.
@@ -277,11 +287,11 @@ def ragged_paged_attention(
 
     interpret = _use_interpret(backend)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, scale=scale, gp=Gp, block_size=B, nblk=nblk, precision=precision)
+    kernel = functools.partial(_kernel, scale=scale, softcap=float(softcap), gp=Gp, block_size=B, nblk=nblk, precision=precision)
     whole = pl.BlockSpec()  # no block shape: the kernel sees the whole array (pointer + strides on Triton)
     tile_spec = pl.BlockSpec((None, None, R, D), lambda j, h: (j, h, 0, 0))
-    operands = [jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_nq, bt, q_tiles, k_pages, v_pages]
-    in_specs = [whole, whole, whole, whole, whole, tile_spec, whole, whole]
+    operands = [jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(sliding_window, jnp.int32).reshape(1), tile_seq, tile_pos0, tile_nq, bt, q_tiles, k_pages, v_pages]
+    in_specs = [whole, whole, whole, whole, whole, whole, tile_spec, whole, whole]
     if tree_mask is not None:
         window = tile_pos0 - (tile_first - query_start_loc[tile_seq])
         bits = jnp.repeat(tree_mask.astype(jnp.int32)[tok], Gp, axis=1)  # [NT, R], rows token-major

@@ -38,6 +38,10 @@ def token_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: in
     return seq_ids, positions, valid
 
 
+def _softcap(s: jax.Array, cap: float) -> jax.Array:
+    return cap * jnp.tanh(s / cap) if cap else s
+
+
 TREE_WINDOW = 32  # step tokens of a sequence that a tree mask covers (one int32 word)
 
 
@@ -71,6 +75,8 @@ def ragged_paged_attention_reference(
     layer: jax.Array,
     *,
     sm_scale: float | None = None,
+    softcap: float = 0.0,
+    sliding_window: int | jax.Array = 0,
     tree_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Causal (or token-tree) attention of ragged query tokens over a paged KV pool.
@@ -82,6 +88,8 @@ def ragged_paged_attention_reference(
     With `tree_mask`, a verify window is a token tree (SpecInfer, Miao et al.
     2024, §4.2 "tree-based parallel decoding"): its tokens still see the whole
     cached prefix, but of the step's own tokens only those `tree_visible` allows.
+    With a sliding window W (Mistral, Gemma 2/3; Beltagy et al. 2020, Longformer
+    §3.1), the token at position p sees positions p-W+1..p only.
 
     Args:
       q: `[T, H, D]` queries (float32 or bfloat16).
@@ -93,6 +101,9 @@ def ragged_paged_attention_reference(
       layer: int32 scalar, the layer to read (the pool is not sliced, so no
         layer-sized copy is made).
       sm_scale: softmax scale, default `1/sqrt(D)`.
+      softcap: scores become `softcap * tanh(scores / softcap)` after scaling
+        (Gemma 2); 0 = none.
+      sliding_window: int or int32 scalar W, 0 = global attention.
       tree_mask: optional int32 `[T]`, per query token a bitmask over its
         sequence's first 32 step tokens (see `tree_visible`); None = causal.
     Returns:
@@ -123,9 +134,10 @@ def ragged_paged_attention_reference(
     k_new = k_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)  # [T, K, D]
     v_new = v_pages[layer].reshape(-1, K, D)[slots].astype(jnp.float32)
     qh = qf.transpose(1, 2, 0, 3)  # [K, G, T, D]
-    s = jnp.einsum("kgtd,ukd->kgtu", qh, k_new)
+    s = _softcap(jnp.einsum("kgtd,ukd->kgtu", qh, k_new), softcap)
     mask = (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
     mask &= valid[:, None] & valid[None, :]
+    mask &= (sliding_window <= 0) | (positions[:, None] - positions[None, :] < sliding_window)
     if tree_mask is not None:
         index = jnp.arange(T, dtype=jnp.int32) - query_start_loc[seq_ids]  # each token's index in its window
         mask &= tree_visible(tree_mask[:, None], index[None, :])
@@ -139,6 +151,10 @@ def ragged_paged_attention_reference(
     # (2) The cached context before the step, walked chunk by chunk through the
     # block table with an online softmax.
     ctx_len = jnp.where(valid, seq_lens[seq_ids] - q_lens[seq_ids], 0)  # [T]
+    # The first context position each token sees (its window's start), and the first chunk any token needs.
+    ctx_start = jnp.where(sliding_window > 0, jnp.maximum(positions - sliding_window + 1, 0), 0)
+    needed = valid & (ctx_start < ctx_len)
+    first_chunk = jnp.min(jnp.where(needed, ctx_start, jnp.iinfo(jnp.int32).max)) // (chunk * B)
     num_chunks = (jnp.max(ctx_len) + chunk * B - 1) // (chunk * B)
 
     def body(c, state):
@@ -149,9 +165,10 @@ def ragged_paged_attention_reference(
         v = v_pages[layer, blocks].reshape(T, chunk * B, K, D).astype(jnp.float32)
         # Broadcast-multiply-reduce on the gathered layout [T, C, K, G]: XLA:CPU
         # fuses it, unlike T tiny batched dots, and nothing is transposed.
-        s = jnp.sum(qf[:, None] * k[:, :, :, None, :], axis=-1)  # [T, C, K, G]
+        s = _softcap(jnp.sum(qf[:, None] * k[:, :, :, None, :], axis=-1), softcap)  # [T, C, K, G]
         kv_pos = c * chunk * B + jnp.arange(chunk * B)
-        s = s + jnp.where(kv_pos[None, :] < ctx_len[:, None], 0.0, -jnp.inf)[:, :, None, None]
+        seen = (kv_pos[None, :] < ctx_len[:, None]) & (kv_pos[None, :] >= ctx_start[:, None])
+        s = s + jnp.where(seen, 0.0, -jnp.inf)[:, :, None, None]
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[:, None])
@@ -160,6 +177,6 @@ def ragged_paged_attention_reference(
         acc = acc * correction[..., None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)
         return m_new, l, acc
 
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    _, l, acc = jax.lax.fori_loop(jnp.minimum(first_chunk, num_chunks), num_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(T, H, D).astype(q.dtype)

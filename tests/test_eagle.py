@@ -273,10 +273,10 @@ def _dense(model, tokens, features=None, keep=None):
     pos = jnp.arange(len(tokens), dtype=jnp.int32)
     seg = jnp.zeros(len(tokens), jnp.int32)
 
-    def attend(q, k, v, layer, cache):
+    def attend(q, k, v, layer, cache, spec):
         if keep is not None and layer == 0:
             keep["k"], keep["v"] = np.asarray(k), np.asarray(v)
-        return dense_attention(q, k, v, pos, seg), cache
+        return dense_attention(q, k, v, pos, seg, spec), cache
 
     if features is None:
         return model(ids, pos, attend, None)[0]

@@ -205,8 +205,8 @@ def dense_rows(S: int, Lq: int):
     seg = jnp.zeros(Lq, jnp.int32)
     rows = lambda x: x.reshape(S, Lq, *x.shape[1:])
 
-    def attend(q, k, v, _, cache):
-        out = jax.vmap(lambda q, k, v: dense_attention(q, k, v, pos, seg))(rows(q), rows(k), rows(v))
+    def attend(q, k, v, _, cache, spec):
+        out = jax.vmap(lambda q, k, v: dense_attention(q, k, v, pos, seg, spec))(rows(q), rows(k), rows(v))
         return out.reshape(q.shape), cache
 
     return jnp.tile(pos, S), attend
