@@ -100,6 +100,9 @@ class Engine:
         bytes_per_block = kv_bytes_per_block(cfg, B, config.tensor_parallel_size) + self.proposer.bytes_per_block(B)
         num_blocks = config.num_blocks or max(2, config.kv_cache_bytes // bytes_per_block)
         self.blocks = BlockManager(num_blocks, B, config.enable_prefix_caching, config.kv_watermark)
+        # A windowed model's passed blocks go back to the pool, unless a proposer's own KV (a draft model's, an
+        # EAGLE head's) reads every position through the same block table.
+        self.kv_window = cfg.max_window if self.proposer.bytes_per_block(B) == 0 else 0
         capacity = self.blocks.num_usable_blocks * B
         if config.max_model_len is not None and config.max_model_len > min(cfg.max_position_embeddings, capacity):
             raise ValueError(
@@ -110,7 +113,8 @@ class Engine:
             log.info("max_model_len %d (the KV pool holds %d tokens)", self.max_model_len, capacity)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                            config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block), self.blocks)
+                            config.swap_threshold_tokens, config.swap_space_bytes // bytes_per_block,
+                            self.kv_window), self.blocks)
         self.runner = ModelRunner(model, config, num_blocks, cdiv(self.max_model_len, B), self.proposer)
         self.gate = Gate(self.proposer, StepCosts(self.runner.token_buckets, self.runner.seq_buckets))
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids) or tuple(cfg.eos_token_ids)

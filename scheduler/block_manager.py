@@ -16,6 +16,9 @@ from collections.abc import Callable, Hashable, Sequence
 from scheduler.util import cdiv
 
 
+NULL_BLOCK = 0  # the reserved block: padding writes land there, and it fills the table where a window passed
+
+
 class NoFreeBlocksError(RuntimeError):
     """The pool has fewer free blocks than a request needs right now."""
 
@@ -64,7 +67,8 @@ class BlockManager:
     """Hands out KV blocks of `block_size` tokens from a pool of `num_blocks`.
 
     Block 0 is reserved: padding tokens of a step write their KV there, and no
-    sequence ever reads it.
+    sequence ever reads it. It also stands in a block table for the blocks a
+    sliding window has passed (`release_before`): positions no layer reads.
 
     Prefix cache: every full block a sequence has computed is entered in a
     radix tree keyed on its tokens (one tree per cache salt, so tenants with
@@ -142,7 +146,8 @@ class BlockManager:
         """Drops the allocation's references; blocks nobody holds become free (or evictable if cached)."""
         # Tail blocks first, so they are older in the LRU order than the prefix they extend.
         for block in reversed(allocation._blocks):
-            self._release(block)
+            if block != NULL_BLOCK:
+                self._release(block)
         allocation._blocks.clear()
         allocation._num_cached = 0
         allocation._node = None
@@ -152,8 +157,26 @@ class BlockManager:
         """Frees the blocks past the first `num_tokens` tokens (rejected draft positions)."""
         keep = cdiv(num_tokens, self.block_size)
         while len(allocation._blocks) > keep:
-            self._release(allocation._blocks.pop())
+            if (block := allocation._blocks.pop()) != NULL_BLOCK:
+                self._release(block)
         self._keep_watermark()
+
+    def release_before(self, allocation: Allocation, position: int) -> int:
+        """Drops the allocation's references on its blocks that hold only positions before `position` (a
+        sliding window has passed them: no layer reads them again), leaving `NULL_BLOCK` in their place in
+        the block table; with the prefix cache on, only blocks already cached (they stay in the cache,
+        evictable). Returns how many it dropped. vLLM's sliding-window manager does the same (its null block).
+        """
+        last = position // self.block_size  # blocks [0, last) end at or before `position`
+        if self.enable_prefix_cache:
+            last = min(last, allocation._num_cached)
+        dropped = 0
+        for i in range(min(last, len(allocation._blocks))):
+            if (block := allocation._blocks[i]) != NULL_BLOCK:
+                allocation._blocks[i] = NULL_BLOCK
+                self._release(block)
+                dropped += 1
+        return dropped
 
     def fork(self, allocation: Allocation) -> Allocation:
         """A new allocation sharing every block of `allocation` (one more reference each).
@@ -164,7 +187,8 @@ class BlockManager:
         child._blocks = list(allocation._blocks)
         child._num_cached, child._node = allocation._num_cached, allocation._node
         for block in child._blocks:
-            self._refs[block] += 1
+            if block != NULL_BLOCK:
+                self._refs[block] += 1
         return child
 
     def copy_on_write(self, allocation: Allocation, position: int) -> BlockCopy | None:

@@ -26,6 +26,9 @@ class SchedulerConfig:
     # the copy), a shorter one is recomputed.
     swap_threshold_tokens: int = 256
     swap_space_blocks: int = 0  # host memory for swapped KV, in blocks; 0 disables swap
+    # Every layer's sliding window (`ModelConfig.max_window`): a running request's blocks that hold only
+    # positions this far before its next token are given back (`BlockManager.release_before`); 0 keeps all.
+    sliding_window: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,9 @@ class Scheduler:
 
     def _schedule_running(self, request: Request, n: int, plan: StepPlan, num_draft: int = 0) -> int:
         """Schedules `n` tokens of a running request, preempting others for blocks; returns tokens used."""
+        if self.config.sliding_window:  # its tokens from num_computed_tokens on see no earlier positions
+            self.blocks.release_before(request.allocation,
+                                       request.num_computed_tokens - self.config.sliding_window + 1)
         while True:
             try:
                 copy = self.blocks.copy_on_write(request.allocation, request.num_computed_tokens)

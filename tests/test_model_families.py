@@ -1,0 +1,125 @@
+"""Model families against transformers: Qwen3, Mistral and Phi-3 with sliding windows, Gemma 2 and Gemma 3.
+
+Each family is a tiny random model built with transformers' own config class and saved as a Hugging Face
+directory; windows of 5 tokens, so every prompt here is longer than the window. Weights are drawn far from
+their init (norm weights around 0.25, not 1 or 0) so a misplaced norm or offset shows.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from checkpoints import load_hf_dir  # noqa: E402
+from engine.llm import LLM  # noqa: E402
+from model.llama import Llama  # noqa: E402
+from scheduler.block_manager import NULL_BLOCK  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+WINDOW = 5
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+              dtype="float32")
+FAMILIES = {
+    "qwen3": lambda: transformers.Qwen3Config(rms_norm_eps=1e-6, **COMMON),
+    "mistral": lambda: transformers.MistralConfig(sliding_window=WINDOW, **COMMON),
+    "phi3": lambda: transformers.Phi3Config(sliding_window=WINDOW, pad_token_id=0, **COMMON),
+    # Gemma 2: windowed and global layers alternating, both soft-caps, a score scale other than 1/sqrt(D).
+    "gemma2": lambda: transformers.Gemma2Config(sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **COMMON),
+    # Gemma 3: QK-norm, windowed layers on a RoPE base of their own.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **COMMON),
+}
+PROMPTS = [np.random.default_rng(1).integers(3, 320, size=n).tolist() for n in (23, 9, 17)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _build(kind: str, path) -> "torch.nn.Module":
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[kind]()).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.5 * torch.rand_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return request.param, str(path), _build(request.param, path)
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' argmax, token by token over the whole sequence (no cache; EOS not special: `generate`
+    would mask it until a minimum length, which `ignore_eos` does not)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(model(torch.as_tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_logits_equal_transformers(family):
+    kind, path, hf = family
+    cfg, params = load_hf_dir(path)
+    assert cfg.num_params == sum(p.numel() for p in hf.parameters())
+    tokens = np.asarray([PROMPTS[0][:16], PROMPTS[2][:16]])
+    with torch.no_grad():
+        want = hf(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(Llama(cfg, params=params).dense_logits(jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_paged_engine_equals_transformers(family):
+    """Greedy tokens and prompt log-probabilities through the paged engine (blocks of 4, prefill chunks of 8,
+    the prefix cache on and hit by a second pass, the native attention kernel where it applies) equal
+    transformers' on prompts longer than the window."""
+    kind, path, hf = family
+    llm = LLM(path, speculative=None, block_size=4, max_num_batched_tokens=8)
+    want = [_hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    for cached in (False, True):
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        assert (outs[0].num_cached_tokens > 0) == cached
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.as_tensor([PROMPTS[0]])).logits[0], -1).numpy()
+    want_lp = logprobs[np.arange(len(PROMPTS[0]) - 1), PROMPTS[0][1:]]
+    np.testing.assert_allclose(llm.score([PROMPTS[0]])[0].token_logprobs, want_lp, atol=2e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mistral-long")
+    return str(path), _build("mistral", path)
+
+
+def test_window_keeps_kv_blocks_bounded(mistral):
+    """Decoding 100 tokens past a 23-token prompt with a 5-token window on blocks of 4: the blocks in use never
+    exceed the window's 2 + 1 being written + 1 while a step crosses a block (without the window the request
+    would hold all 31), the passed ones are the null block in its table, and the tokens equal transformers',
+    with and without n-gram speculation."""
+    path, hf = mistral
+    want = _hf_greedy(hf, PROMPTS[0], 100)
+    sampling = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for speculative in (None, "ngram"):
+        engine = LLM(path, speculative=speculative, block_size=4, max_num_batched_tokens=32).engine
+        assert engine.kv_window == WINDOW
+        engine.add_request(PROMPTS[0], sampling)
+        held, passed, tokens = [], 0, None
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens = out.token_ids if out.finished else tokens
+            held.append(engine.blocks.num_usable_blocks - engine.blocks.num_free_blocks)
+            for r in engine.scheduler.running:
+                passed = max(passed, r.allocation.block_ids.count(NULL_BLOCK))
+        assert tokens == want
+        assert max(held[2:]) <= 4, held  # from the first decode on
+        assert passed >= 31 - 4
