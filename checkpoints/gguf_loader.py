@@ -33,12 +33,16 @@ GGUF_NAMES: NameMap = {
     "w_gate": ("blk.{i}.ffn_gate.weight", True),
     "w_up": ("blk.{i}.ffn_up.weight", True),
     "w_down": ("blk.{i}.ffn_down.weight", True),
+    "q_norm": ("blk.{i}.attn_q_norm.weight", False),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", False),
+    "post_attn_norm": ("blk.{i}.post_attention_norm.weight", False),  # Gemma's; its pre-MLP norm is ffn_norm
+    "post_mlp_norm": ("blk.{i}.post_ffw_norm.weight", False),
 }
 
 # Architectures whose Q/K rows convert_hf_to_gguf permuted for llama.cpp's interleaved
-# ("normal") RoPE; qwen2 uses NEOX RoPE, which is already our half-split layout.
+# ("normal") RoPE; the others use NEOX RoPE, which is already our half-split layout.
 _PERMUTED_ARCHS = ("llama",)
-_ARCHS = ("llama", "qwen2")
+_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, `special_eog_ids`),
 # beside the declared eos: chat models end turns with one and documents with another.
@@ -120,17 +124,35 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
     if not vocab:
         raise ValueError("GGUF file has neither tokenizer.ggml.tokens nor a vocab_size")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
+    num_layers = int(k("block_count"))
     cfg = ModelConfig(
         name="gguf", vocab_size=int(vocab), hidden_size=E,
-        intermediate_size=int(k("feed_forward_length")), num_layers=int(k("block_count")), num_heads=H,
+        intermediate_size=int(k("feed_forward_length")), num_layers=num_layers, num_heads=H,
         num_kv_heads=int(k("attention.head_count_kv", H)), head_dim=D,
         rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
         rope_scaling=_rope_scaling(reader, D, theta),
         max_position_embeddings=int(k("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(reader),
+        qk_norm="blk.0.attn_q_norm.weight" in names, **_gemma_fields(arch, k, num_layers),
     )
     return cfg.replace(name=_name(cfg, field(reader, "general.name") or arch))
+
+
+def _gemma_fields(arch: str, k, num_layers: int) -> dict:
+    """Gemma 2 / 3's `ModelConfig` fields from a GGUF's metadata and what llama.cpp (`llama-model.cpp`) fixes
+    in code: windowed layers every other one from the first (Gemma 2) or five in six (Gemma 3, unless the
+    file gives `attention.sliding_window_pattern`), a local RoPE base of 10000 (Gemma 3), the soft-caps
+    (Gemma 2). convert_hf_to_gguf stores Gemma's norm weights with their + 1 added: no offset here."""
+    if arch not in ("gemma2", "gemma3"):
+        return {}
+    window = int(k("attention.sliding_window", 0))
+    every = 2 if arch == "gemma2" else int(k("attention.sliding_window_pattern", 6))
+    return dict(
+        layer_windows=tuple(window if (i + 1) % every else 0 for i in range(num_layers)) if window else (),
+        rope_local_theta=_f32(k("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0,
+        sandwich_norms=True, hidden_act="gelu_tanh", scale_embeddings=True,
+        attn_softcap=_f32(k("attn_logit_softcapping", 0.0)), final_softcap=_f32(k("final_logit_softcapping", 0.0)))
 
 
 def _name(cfg: ModelConfig, general_name: str) -> str:

@@ -32,7 +32,8 @@ def config_from_json(text: str) -> ModelConfig:
     d = json.loads(text)
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+    for name in ("eos_token_ids", "layer_windows"):
+        d[name] = tuple(d.get(name, ()))
     return ModelConfig(**d)
 
 

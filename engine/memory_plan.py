@@ -64,6 +64,7 @@ class MemoryPlan:
     device_bytes: int
     utilization: float
     block_size: int
+    sliding_window: int = 0  # `ModelConfig.max_window`: a sequence's passed blocks go back to the pool
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -77,9 +78,15 @@ class MemoryPlan:
     def kv_tokens(self) -> int:
         return self.kv_blocks * self.block_size
 
+    def blocks_per_seq(self, max_model_len: int) -> int:
+        """Blocks one decoding sequence of `max_model_len` tokens holds: all of them, or with every layer
+        windowed the window's blocks and the one being written (`scheduler.BlockManager.release_before`)."""
+        whole = math.ceil(max_model_len / self.block_size)
+        return min(whole, math.ceil(self.sliding_window / self.block_size) + 1) if self.sliding_window else whole
+
     def max_num_seqs_at(self, max_model_len: int) -> int:
-        """Sequences of `max_model_len` tokens the pool holds at once (whole blocks each)."""
-        return self.kv_blocks // math.ceil(max_model_len / self.block_size)
+        """Sequences of `max_model_len` tokens the pool holds at once while they decode (whole blocks each)."""
+        return self.kv_blocks // self.blocks_per_seq(max_model_len)
 
 
 def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype: str | None = None,
@@ -97,7 +104,8 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     wb, kvb = _BYTES[cfg.dtype], _BYTES[kv_cache_dtype or cfg.dtype]
     weights = sum(int(np.prod(shape)) * (4 if name == "head_ids" else wb)  # head_ids: int32
                   for name, shape in shard_shapes(cfg, tp).items())
-    weights += cfg.max_position_embeddings * cfg.head_dim * 4  # the RoPE table (model.llama.rope_table), float32
+    tables = 2 if cfg.rope_local_theta else 1  # the RoPE tables (model.llama.rope_table), float32
+    weights += tables * cfg.max_position_embeddings * cfg.head_dim * 4
     Kd = kv_heads_per_device(cfg.num_kv_heads, tp)
     kv_per_token = 2 * cfg.num_layers * Kd * cfg.head_dim * kvb
     E, F, D, T = cfg.hidden_size, cfg.intermediate_size // tp, cfg.head_dim, max_num_batched_tokens
@@ -107,7 +115,7 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     per_token = 3 * E * wb + max(qkv * (wb + 4), 3 * F * wb)
     S = min(max_num_seqs, T)
     activations = T * per_token + SAMPLER_COPIES * S * cfg.vocab_size * 4
-    return MemoryPlan(tp, weights, kv_per_token, activations, device_bytes, utilization, block_size)
+    return MemoryPlan(tp, weights, kv_per_token, activations, device_bytes, utilization, block_size, cfg.max_window)
 
 
 def _gib(n: int) -> str:

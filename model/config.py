@@ -298,6 +298,19 @@ def tiny_qwen2() -> ModelConfig:
     )
 
 
+@_preset
+def tiny_gemma() -> ModelConfig:
+    """A random-weight test model with Gemma's fields: QK-norm, windowed layers around a global one on a RoPE
+    base of their own, sandwich norms with the + 1 offset, GeGLU, scaled embeddings, soft-capped logits."""
+    return ModelConfig(
+        name="tiny-gemma", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=256,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), qk_norm=True, layer_windows=(8, 0, 8),
+        rope_local_theta=10000.0, norm_offset=1.0, sandwich_norms=True, hidden_act="gelu_tanh",
+        scale_embeddings=True, sm_scale=0.2, final_softcap=30.0,
+    )
+
+
 def preset_names() -> list[str]:
     return sorted(_PRESETS)
 

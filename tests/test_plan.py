@@ -17,7 +17,7 @@ from model.llama import Llama
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_device_matches_the_built_model_and_pool(name, dtype):
     cfg = get_preset(name).replace(dtype=dtype)
@@ -26,6 +26,16 @@ def test_one_device_matches_the_built_model_and_pool(name, dtype):
     assert plan.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # with the RoPE table
     pool = KVPool.zeros(cfg, 37, 16)
     assert 37 * 16 * plan.kv_bytes_per_token == pool.k.nbytes + pool.v.nbytes
+
+
+def test_windowed_sequences_hold_the_window_blocks():
+    """With every layer windowed a decoding sequence holds its window's blocks and the one being written; one
+    global layer keeps them all."""
+    cfg = get_preset("tiny-llama").replace(layer_windows=(40, 40))
+    plan = memory_plan(cfg, 1, block_size=16, device_bytes=1 << 30)
+    assert plan.blocks_per_seq(8192) == 4 and plan.blocks_per_seq(20) == 2
+    assert plan.max_num_seqs_at(8192) == plan.kv_blocks // 4
+    assert memory_plan(cfg.replace(layer_windows=(40, 0)), 1, block_size=16).blocks_per_seq(8192) == 512
 
 
 def test_kv_heads_replicate_past_their_count():
