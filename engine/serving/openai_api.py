@@ -299,7 +299,6 @@ class OpenAIApi:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(self._events(worker, streams, meta, chat, sampling.logprobs, tokenizer,
                                                   include_usage), media_type="text/event-stream")
-        outputs: list[RequestOutput | None] = [None] * len(streams)
         watcher = asyncio.ensure_future(_until_disconnected(request))
         try:
             gathered = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
