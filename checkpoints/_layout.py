@@ -2,7 +2,8 @@
 
 A foreign format names each weight per layer and stores linear weights `[out, in]`;
 ours stacks layers along axis 0 and stores linear weights `[in, out]`. A name map is
-`{our_name: (their_name, transpose)}`; layer names contain `{i}` for the layer index.
+`{our_name: (their_name, transpose)}`; layer names contain `{i}` for the layer index, and an expert's
+(a mixture of experts stores one tensor per expert) `{j}` for the expert's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def gather(cfg: ModelConfig, names: NameMap, fetch: Callable[[str], np.ndarray])
         theirs, transpose = names[ours]
         # Cast each tensor before stacking so peak memory is one copy in the target dtype.
         get = lambda n: (fetch(n).T if transpose else fetch(n)).astype(dt)
-        if ours in LAYER_PARAMS:
+        if "{j}" in theirs:
+            value = np.stack([np.stack([get(theirs.format(i=i, j=j)) for j in range(cfg.num_experts)])
+                              for i in range(cfg.num_layers)])
+        elif ours in LAYER_PARAMS:
             value = np.stack([get(theirs.format(i=i)) for i in range(cfg.num_layers)])
         else:
             value = np.ascontiguousarray(get(theirs))

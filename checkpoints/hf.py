@@ -51,9 +51,28 @@ _GEMMA_NORMS: NameMap = {
 }
 
 
-def hf_names(cfg: ModelConfig) -> NameMap:
-    """transformers' tensor names for `cfg`'s family."""
-    return {**HF_NAMES, **_GEMMA_NORMS} if cfg.sandwich_norms else HF_NAMES
+# Mixtral's and Qwen3-MoE's router and experts (one tensor per expert, `{j}`).
+_MIXTRAL_EXPERTS: NameMap = {
+    "router": ("model.layers.{i}.block_sparse_moe.gate.weight", True),
+    "w_gate": ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", True),
+    "w_up": ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", True),
+    "w_down": ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", True),
+}
+_QWEN_EXPERTS: NameMap = {
+    "router": ("model.layers.{i}.mlp.gate.weight", True),
+    "w_gate": ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", True),
+    "w_up": ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", True),
+    "w_down": ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", True),
+}
+
+
+def hf_names(cfg: ModelConfig, tensor_names=()) -> NameMap:
+    """transformers' tensor names for `cfg`'s family (a mixture of experts' by which router `tensor_names` has)."""
+    names = {**HF_NAMES, **_GEMMA_NORMS} if cfg.sandwich_norms else HF_NAMES
+    if cfg.num_experts:
+        mixtral = _MIXTRAL_EXPERTS["router"][0].format(i=0) in tensor_names
+        names = {**names, **(_MIXTRAL_EXPERTS if mixtral else _QWEN_EXPERTS)}
+    return names
 
 
 def _split_fused(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -129,7 +148,7 @@ def load_hf_dir(path: str | os.PathLike, dtype: str | None = None) -> tuple[Mode
             raise KeyError(f"{path} has no tensor {name!r}")
         return tensors[name]
 
-    return cfg, gather(cfg, hf_names(cfg), fetch)
+    return cfg, gather(cfg, hf_names(cfg, tensors), fetch)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -138,7 +157,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     plain = ModelConfig(**{f: getattr(cfg, f) for f in ("name", "vocab_size", "hidden_size", "intermediate_size",
                                                         "num_layers", "num_heads", "num_kv_heads", "head_dim")})
     family = [f for f in ("qk_norm", "layer_windows", "rope_local_theta", "norm_offset", "sandwich_norms",
-                          "hidden_act", "scale_embeddings", "sm_scale", "attn_softcap", "final_softcap")
+                          "hidden_act", "scale_embeddings", "sm_scale", "attn_softcap", "final_softcap", "num_experts")
               if getattr(cfg, f) != getattr(plain, f)]
     if family:
         raise ValueError(f"{cfg.name}: only Llama and Qwen2 configs are written; this one sets {', '.join(family)}")

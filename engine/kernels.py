@@ -90,8 +90,8 @@ def weight_formats(params: dict, dtype: str) -> dict[str, str]:
         return {}
     found = {}
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed"):
-        if name not in params or (name == "embed" and "lm_head" in params):
-            continue
+        if name not in params or (name == "embed" and "lm_head" in params) or params[name].ndim > 3:
+            continue  # experts ([L, X, in, out]) run on XLA's ragged dot
         w = params[name][0] if params[name].ndim == 3 else params[name]
         w = w[:blocks.CHUNK].T if name == "embed" else w[:, :blocks.CHUNK]  # the head reads the embedding transposed
         fmt = blocks.find_blocks(np.asarray(w, np.float32))

@@ -108,7 +108,9 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     weights += tables * cfg.max_position_embeddings * cfg.head_dim * 4
     Kd = kv_heads_per_device(cfg.num_kv_heads, tp)
     kv_per_token = 2 * cfg.num_layers * Kd * cfg.head_dim * kvb
-    E, F, D, T = cfg.hidden_size, cfg.intermediate_size // tp, cfg.head_dim, max_num_batched_tokens
+    # A mixture of experts runs each token through num_experts_per_tok experts: that many rows of F.
+    E, D, T = cfg.hidden_size, cfg.head_dim, max_num_batched_tokens
+    F = cfg.intermediate_size // tp * max(1, cfg.num_experts_per_tok)
     # Residual, normed input and the all-reduced output [T, E]; the wider of QKV (rotated in float32) and
     # gate/up with its product; then the gathered logits of the sampled rows.
     qkv = (cfg.num_heads // tp + 2 * Kd) * D

@@ -1,7 +1,7 @@
 """Model configurations: one frozen dataclass and a registry of named presets.
 
 Shape letters used across the project: T tokens, S sequences, L layers,
-E hidden (embedding) size, F MLP size, H query heads, K KV heads, D head dim,
+E hidden (embedding) size, F MLP size (an expert's, in a mixture of experts), X experts, H query heads, K KV heads, D head dim,
 V vocab, P blocks (pages), B block size; in speculative decoding G draft
 tokens per row (a step program's draft length, Leviathan et al.'s gamma; a
 token tree's node count) and N a token tree's window nodes (G + 1).
@@ -66,6 +66,12 @@ class ModelConfig:
     sm_scale: float = 0.0  # attention's score scale; 0 = 1/sqrt(D) (Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the softmax (Gemma 2); 0 = none
     final_softcap: float = 0.0  # the same on the output logits (Gemma 2)
+    # Mixture of experts (Mixtral, Qwen3-MoE): X experts of MLP size F each in every layer, each token's output
+    # the sum of its `num_experts_per_tok` best experts' weighted by the router's softmax, renormalized over
+    # them when `norm_topk_prob`. 0 experts: a dense MLP.
+    num_experts: int = 0  # X
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +83,8 @@ class ModelConfig:
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise ValueError(f"layer_windows needs {self.num_layers} windows >= 0 (0: global), "
                              f"got {self.layer_windows}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {self.num_experts}], got {self.num_experts_per_tok}")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act must be 'silu' or 'gelu_tanh', got {self.hidden_act!r}")
 
@@ -97,7 +105,8 @@ class ModelConfig:
     def num_params(self) -> int:
         E, F, L, H, K, D, V = (self.hidden_size, self.intermediate_size, self.num_layers,
                                self.num_heads, self.num_kv_heads, self.head_dim, self.vocab_size)
-        per_layer = 2 * E + E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
+        per_layer = 2 * E + E * H * D + 2 * E * K * D + H * D * E + 3 * E * F * max(1, self.num_experts)
+        per_layer += E * self.num_experts  # the router
         if self.qkv_bias:
             per_layer += H * D + 2 * K * D
         if self.qk_norm:
@@ -112,7 +121,8 @@ class ModelConfig:
 
         Supports `model_type` in `HF_MODEL_TYPES`, with transformers 4.x and 5.x key names (5.x moved the
         RoPE settings into `rope_parameters`, per layer type for Gemma 3). Raises ValueError for another
-        model type, RoPE scaling other than Llama 3's, or Phi-3's partial rotary embedding.
+        model type, RoPE scaling other than Llama 3's, Phi-3's partial rotary embedding, or a Qwen3-MoE with
+        dense layers among its expert layers.
         """
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
@@ -122,6 +132,10 @@ class ModelConfig:
         if model_type not in HF_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} in {path}; supported: {', '.join(HF_MODEL_TYPES)}")
         gemma = model_type in ("gemma2", "gemma3_text")
+        experts = hf.get("num_local_experts") or hf.get("num_experts") or 0
+        if model_type == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+            raise ValueError(f"dense layers among the expert layers (mlp_only_layers, decoder_sparse_step) are not "
+                             f"supported ({path})")
         heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -151,7 +165,8 @@ class ModelConfig:
             name=name or hf.get("_name_or_path") or model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"] if experts
+            else hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads", heads),
@@ -164,7 +179,10 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            num_experts=experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) if experts else 0,
+            norm_topk_prob=model_type == "mixtral" or bool(hf.get("norm_topk_prob", True)),
             layer_windows=_hf_layer_windows(hf, model_type, num_layers),
             rope_local_theta=local_theta,
             norm_offset=1.0 if gemma else 0.0,
@@ -178,7 +196,7 @@ class ModelConfig:
 
 
 # transformers' `model_type`s `ModelConfig.from_hf_config` reads.
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text")
 
 
 def _hf_layer_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int, ...]:
@@ -187,19 +205,19 @@ def _hf_layer_windows(hf: dict, model_type: str, num_layers: int) -> tuple[int, 
     (Mistral and Phi-3 window every layer; Qwen2/3 the layers from `max_window_layers` on with
     `use_sliding_window`; Gemma 2 every other layer from the first, Gemma 3 five of every six)."""
     window = hf.get("sliding_window") or 0
-    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window", False):
         window = 0
     if not window:
         return ()
     types = hf.get("layer_types")
     if types is None:
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             first = hf.get("max_window_layers", 0)
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         elif model_type in ("gemma2", "gemma3_text"):
             every = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
-        elif model_type in ("mistral", "phi3"):
+        elif model_type in ("mistral", "mixtral", "phi3"):
             types = ["sliding_attention"] * num_layers
         else:
             return ()
@@ -309,6 +327,12 @@ def tiny_gemma() -> ModelConfig:
         rope_local_theta=10000.0, norm_offset=1.0, sandwich_norms=True, hidden_act="gelu_tanh",
         scale_embeddings=True, sm_scale=0.2, final_softcap=30.0,
     )
+
+
+@_preset
+def tiny_moe() -> ModelConfig:
+    """A random-weight mixture of experts (Mixtral's routing: 4 experts, 2 per token, renormalized)."""
+    return tiny_llama().replace(name="tiny-moe", num_experts=4, num_experts_per_tok=2)
 
 
 def preset_names() -> list[str]:

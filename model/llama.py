@@ -44,6 +44,11 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
         "w_down": ((L, F, E), ("layers", "mlp", "embed")),
         "final_norm": ((E,), ("embed",)),
     }
+    if X := cfg.num_experts:  # every expert's MLP, and the router
+        specs["w_gate"] = ((L, X, E, F), ("layers", "experts", "embed", "mlp"))
+        specs["w_up"] = ((L, X, E, F), ("layers", "experts", "embed", "mlp"))
+        specs["w_down"] = ((L, X, F, E), ("layers", "experts", "mlp", "embed"))
+        specs["router"] = ((L, E, X), ("layers", "embed", "experts"))
     if cfg.qk_norm:
         specs["q_norm"] = ((L, D), ("layers", "head_dim"))
         specs["k_norm"] = ((L, D), ("layers", "head_dim"))
@@ -62,9 +67,11 @@ def param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str 
 
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv",
-                "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
-# A layer's small per-layer vectors, beside its products: stacked along L in a scan over the layers.
-LAYER_VECTORS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+                "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "router")
+# A layer's arrays besides the products a CPU kernel may take: its vectors (stacked along L in a scan over the
+# layers) and a mixture of experts' router and experts (XLA's ragged dot; such models run the unrolled loop).
+LAYER_VECTORS = ("attn_norm", "mlp_norm", "bqkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "router",
+                 "experts_gate_up", "experts_down")
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
@@ -203,8 +210,13 @@ def _shard_major_pair(a: np.ndarray, b: np.ndarray, tp: int) -> np.ndarray:
 # How each weight splits over the TP axis (Megatron-LM §3): QKV and gate/up by output columns, o and down
 # by input rows (their partial sums meet in one all-reduce each), the embedding and the output head by
 # vocabulary; norms and RoPE are whole on every device.
+# A mixture of experts splits every expert the same way (per-expert tensor parallelism: each device holds
+# F / tp of every expert): the step's work stays even across devices whatever the router picks, and the
+# partial sums meet in the all-reduce the dense MLP already has; expert parallelism would add an all-to-all
+# and idle devices whose experts few tokens chose.
 _TP_SPECS = {"wqkv": P(None, TP_AXIS), "bqkv": P(TP_AXIS), "w_gate_up": P(None, TP_AXIS), "wo": P(TP_AXIS, None),
-             "w_down": P(TP_AXIS, None), "embed": P(TP_AXIS, None), "lm_head": P(None, TP_AXIS)}
+             "w_down": P(TP_AXIS, None), "embed": P(TP_AXIS, None), "lm_head": P(None, TP_AXIS),
+             "experts_gate_up": P(None, None, TP_AXIS), "experts_down": P(None, TP_AXIS, None)}
 
 
 def tp_spec(name: str) -> P:
@@ -233,6 +245,11 @@ class Block(nnx.Module):
         for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
             if name in w:
                 setattr(self, name, nnx.Param(put(name, w[name])))
+        if "router" in w:
+            self.router = nnx.Param(put("router", w["router"]))
+            self.experts_gate_up = nnx.Param(put("experts_gate_up", _shard_major_pair(w["w_gate"], w["w_up"], tp)))
+            self.experts_down = nnx.Param(put("experts_down", w["w_down"]))
+            return
         self.w_gate_up = nnx.Param(put("w_gate_up", _shard_major_pair(w["w_gate"], w["w_up"], tp)))
         self.w_down = nnx.Param(put("w_down", w["w_down"]))
 
@@ -328,7 +345,7 @@ class Llama(nnx.Module):
             raise ValueError("the CPU kernels' packed weights are for one device; tensor parallel runs use XLA's dot")
         total = 0
         for lp in self.layers:
-            for name in self.LINEARS:
+            for name in (n for n in self.LINEARS if hasattr(lp, n)):  # experts run on XLA's ragged dot
                 total += keep_packed(lp, name, np.asarray(getattr(lp, name)[...], np.float32), dtype, amx_passes,
                                      source=name, isa=isa)
         # A tied embedding keeps its own values: it is also the input lookup table.
@@ -373,15 +390,16 @@ class Llama(nnx.Module):
         cfg = self.cfg
         q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         stack = lambda name: np.stack([np.asarray(getattr(lp, name)[...]) for lp in self.layers])
-        wqkv, gate_up = stack("wqkv"), stack("w_gate_up")
+        moe = "experts_" if cfg.num_experts else "w_"
+        wqkv, gate_up = stack("wqkv"), stack(moe + "gate_up")
         params = {"embed": np.asarray(self.embed[...]), "final_norm": np.asarray(self.final_norm[...]),
                   "attn_norm": stack("attn_norm"), "mlp_norm": stack("mlp_norm"), "wo": stack("wo"),
-                  "w_down": stack("w_down"), "wq": wqkv[..., :q], "wk": wqkv[..., q:q + kv], "wv": wqkv[..., q + kv:],
-                  "w_gate": gate_up[..., :F], "w_up": gate_up[..., F:]}
+                  "w_down": stack(moe + "down"), "wq": wqkv[..., :q], "wk": wqkv[..., q:q + kv],
+                  "wv": wqkv[..., q + kv:], "w_gate": gate_up[..., :F], "w_up": gate_up[..., F:]}
         if cfg.qkv_bias:
             bqkv = stack("bqkv")
             params.update(bq=bqkv[..., :q], bk=bqkv[..., q:q + kv], bv=bqkv[..., q + kv:])
-        for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+        for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "router"):
             if hasattr(self.layers[0], name):
                 params[name] = stack(name)
         if not cfg.tie_word_embeddings:
@@ -483,7 +501,7 @@ class Llama(nnx.Module):
         """`product(h, name, layer)` over every layer's packed weights where all of x `[T, E]`'s products take
         one CPU kernel with the same shapes in every layer (`cpu_kernels.skinny_matmul_layers`,
         `amx_matmul_layers`), else None."""
-        if len(self.layers) < 2:
+        if len(self.layers) < 2 or self.cfg.num_experts:
             return None
         weights = {name: [self._kernel_weight(lp, name, x) for lp in self.layers] for name in self.LINEARS}
         for kind, product, shape in (
@@ -515,11 +533,39 @@ class Llama(nnx.Module):
             h = reduce(linear(out.reshape(T, H * D).astype(x.dtype), "wo"))
             x = x + (norm(h, "post_attn_norm") if cfg.sandwich_norms else h)
         with jax.named_scope("mlp"):
-            gate, up = jnp.split(linear(norm(x, "mlp_norm"), "w_gate_up"), 2, axis=-1)
-            act = numerics.silu(gate) if cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
-            h = reduce(linear(act * up, "w_down"))
+            h = norm(x, "mlp_norm")
+            if cfg.num_experts:
+                h = reduce(self._experts(h, vecs))
+            else:
+                h = reduce(linear(self._act_gated(linear(h, "w_gate_up")), "w_down"))
             x = x + (norm(h, "post_mlp_norm") if cfg.sandwich_norms else h)
         return x, cache
+
+    def _act_gated(self, gate_up: jax.Array) -> jax.Array:
+        """act(gate) * up of the gated MLP's `[..., 2F]` projection (SwiGLU, or GeGLU with `gelu_tanh`)."""
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        act = numerics.silu(gate) if self.cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return act * up
+
+    def _experts(self, h: jax.Array, vecs: dict) -> jax.Array:
+        """A mixture of experts' output `[T, E]` for its input h `[T, E]` (Shazeer et al. 2017; Mixtral, Jiang et
+        al. 2024, §2.1): the router's float32 softmax over the X experts, each token's top k (renormalized over
+        them with `norm_topk_prob`), the (token, expert) pairs sorted by expert so each expert's rows are one
+        contiguous group of a ragged dot (`jax.lax.ragged_dot`: T * k rows whatever the routing, so one compiled
+        program serves every step), the weighted rows summed back per token."""
+        T, k = h.shape[0], self.cfg.num_experts_per_tok
+        probs = jax.nn.softmax((h @ vecs["router"]).astype(jnp.float32), axis=-1)  # [T, X]
+        weights, experts = jax.lax.top_k(probs, k)  # [T, k]
+        if self.cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # [T * k], expert by expert
+        rows = h[order // k]
+        sizes = jnp.bincount(flat, length=self.cfg.num_experts).astype(jnp.int32)
+        act = self._act_gated(jax.lax.ragged_dot(rows, vecs["experts_gate_up"], sizes))
+        out = jax.lax.ragged_dot(act.astype(h.dtype), vecs["experts_down"], sizes).astype(jnp.float32)
+        out = out * weights.reshape(-1)[order][:, None]
+        return jnp.zeros((T, h.shape[1]), jnp.float32).at[order // k].add(out).astype(h.dtype)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Projects hidden states `[N, E]` to float32 logits `[N, V]`.

@@ -1,4 +1,5 @@
-"""Model families against transformers: Qwen3, Mistral and Phi-3 with sliding windows, Gemma 2 and Gemma 3.
+"""Model families against transformers: Qwen3, Mistral and Phi-3 with sliding windows, Gemma 2 and Gemma 3,
+the mixtures of experts Mixtral and Qwen3-MoE; Gemma 3 270M, the second real model.
 
 Each family is a tiny random model built with transformers' own config class and saved as a Hugging Face
 directory; windows of 5 tokens, so every prompt here is longer than the window. Weights are drawn far from
@@ -30,6 +31,11 @@ FAMILIES = {
     "qwen3": lambda: transformers.Qwen3Config(rms_norm_eps=1e-6, **COMMON),
     "mistral": lambda: transformers.MistralConfig(sliding_window=WINDOW, **COMMON),
     "phi3": lambda: transformers.Phi3Config(sliding_window=WINDOW, pad_token_id=0, **COMMON),
+    # Mixtures of experts: 4 experts, 2 per token (Mixtral renormalizes over them; this Qwen3-MoE does not).
+    "mixtral": lambda: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                                  **COMMON),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                     norm_topk_prob=False, **COMMON),
     # Gemma 2: windowed and global layers alternating, both soft-caps, a score scale other than 1/sqrt(D).
     "gemma2": lambda: transformers.Gemma2Config(sliding_window=WINDOW, query_pre_attn_scalar=24,
                                                 attn_logit_softcapping=5.0, final_logit_softcapping=3.0, **COMMON),

@@ -17,7 +17,7 @@ from model.llama import Llama
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-gemma", "tiny-moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_device_matches_the_built_model_and_pool(name, dtype):
     cfg = get_preset(name).replace(dtype=dtype)

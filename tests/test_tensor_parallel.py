@@ -98,6 +98,45 @@ def test_logits_and_greedy_tokens_equal_one_device():
         assert all(len(t) == 10 for t in result[f"{name} tp1 None tokens"])
 
 
+def test_mixture_of_experts_on_two_devices_equals_one():
+    """A Mixtral-style model (4 experts, 2 per token, a sliding window, Gemma's fields off) split over 2 devices
+    (per-expert tensor parallelism: every expert's F split in two) gives the logits and the greedy tokens of one
+    device, through the paged engine with n-gram speculation."""
+    result = run_on_devices("""
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from checkpoints import LoadedModel, load_model
+        from engine import Engine, EngineConfig
+        from engine.spec.config import SpeculationConfig
+        from engine.step import tensor_parallel_mesh
+        from model.llama import Llama
+        from scheduler.request import SamplingParams
+        from tests.test_speculative import _run
+
+        tiny = load_model("tiny-llama")
+        cfg = tiny.config.replace(num_experts=4, num_experts_per_tok=2, layer_windows=(6, 6))
+        base = Llama(cfg, rngs=nnx.Rngs(0))
+        params = base.to_params()
+        rng = np.random.default_rng(0)
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (3, 9)), jnp.int32)
+        dense = jax.jit(lambda m, x: m.dense_logits(x))
+        sharded = Llama(cfg, params=params, mesh=tensor_parallel_mesh(2))
+        out = {"logits": float(np.abs(np.asarray(dense(sharded, ids)) - np.asarray(dense(base, ids))).max())}
+        prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40)]
+        for tp in (1, 2):
+            config = EngineConfig(tensor_parallel_size=tp, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4,
+                                  matmul="xla")
+            engine = Engine(LoadedModel(cfg, params, tiny.tokenizer), config,
+                            speculation=SpeculationConfig(4, method="ngram"))
+            outs = _run(engine, prompts, [SamplingParams(max_tokens=12, temperature=0.0)] * len(prompts))
+            out[f"tp{tp}"] = [o.token_ids for o in outs]
+        print(json.dumps(out))
+    """, devices=2)
+    assert result["logits"] < 1e-5, result
+    assert result["tp2"] == result["tp1"] and all(len(t) == 12 for t in result["tp1"])
+
+
 def test_sharded_pool_and_weights_hold_the_planned_bytes_and_compile_once():
     result = run_on_devices("""
         import json
