@@ -91,7 +91,9 @@ def early_exit_draft(target: LoadedModel, layers: list[int], name: str = "early-
     if not layers or len(set(layers)) != len(layers) or not all(0 <= i < n for i in layers):
         raise ValueError(f"layers must be distinct indices in [0, {n}), got {layers}")
     params = {k: (np.asarray(v)[list(layers)] if k in LAYER_PARAMS else v) for k, v in target.params.items()}
-    return LoadedModel(target.config.replace(name=name, num_layers=len(layers)), params, target.tokenizer)
+    windows = tuple(target.config.window(i) for i in layers) if target.config.layer_windows else ()
+    return LoadedModel(target.config.replace(name=name, num_layers=len(layers), layer_windows=windows), params,
+                       target.tokenizer)
 
 
 def derived_embed(target_embed: np.ndarray, projection: np.ndarray) -> np.ndarray:

@@ -159,7 +159,8 @@ def measure(cfg: ModelConfig, dtype: str, candidates: list[str],
 
     E, F, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     layer_bytes = _ITEMSIZE[dtype] * (E * (cfg.num_heads + 2 * cfg.num_kv_heads) * D + cfg.num_heads * D * E + 3 * E * F)
-    short = dataclasses.replace(cfg, num_layers=max(1, min(cfg.num_layers, math.ceil(MEASURE_BYTES / layer_bytes))))
+    n = max(1, min(cfg.num_layers, math.ceil(MEASURE_BYTES / layer_bytes)))
+    short = dataclasses.replace(cfg, num_layers=n, layer_windows=cfg.layer_windows[:n])
     params = random_params(short)
     for name, fmt in (formats or {}).items():
         params[name] = _as_blocks(params[name], fmt, along_last=name == "embed")

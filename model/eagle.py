@@ -113,4 +113,5 @@ def deepen(cfg: ModelConfig, params: dict[str, np.ndarray], target, num_layers: 
         if k in params:
             new = np.asarray(target.params[k], np.float32)[extra]
             out[k] = np.concatenate([params[k], np.zeros_like(new) if k in ("wo", "w_down") else new])
-    return cfg.replace(num_layers=num_layers), out
+    windows = cfg.layer_windows + tuple(target.config.window(i) for i in extra) if cfg.layer_windows else ()
+    return cfg.replace(num_layers=num_layers, layer_windows=windows), out

@@ -95,3 +95,12 @@ def test_the_timing_is_cached_and_a_failure_falls_back_to_the_default(monkeypatc
 def test_int8_weights_never_choose_amx():
     assert "amx" not in kernels.families("int8")
     assert kernels.layout("amx", "int8")[2] is None  # an int8 draft under an AMX engine: the skinny kernel
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma", "tiny-moe"])
+def test_every_family_is_timed(monkeypatch, name):
+    """Windowed layers (cut with the layers the timing keeps: here the first only) and experts time like any
+    model: measured, not the fallback of a failed timing."""
+    monkeypatch.setattr(kernels, "MEASURE_BYTES", 1)
+    choice = kernels.choose(get_preset(name), "float32")
+    assert choice.how == "measured" and set(choice.seconds) == set(kernels.families())

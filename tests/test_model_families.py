@@ -161,3 +161,14 @@ def test_gemma3_270m_equals_transformers(gemma3_270m):
         assert list(top)[:5] == case["top5_ids"]
         np.testing.assert_allclose([top[i] for i in case["top5_ids"]], case["top5_logprobs"], atol=2e-4)
         assert greedy.token_ids == case["greedy"]
+
+
+def test_an_early_exit_draft_keeps_its_layers_windows():
+    """A draft made of a windowed target's layers 0 and 1 (windowed, global) keeps those layers' windows."""
+    from checkpoints import load_model
+    from checkpoints.draft import early_exit_draft
+
+    target = load_model("tiny-gemma")
+    draft = early_exit_draft(target, [1, 2])
+    assert target.config.layer_windows == (8, 0, 8) and draft.config.layer_windows == (0, 8)
+    Llama(draft.config, params=draft.params)  # builds: the windows match its layers
