@@ -42,7 +42,16 @@ GGUF_NAMES: NameMap = {
 # Architectures whose Q/K rows convert_hf_to_gguf permuted for llama.cpp's interleaved
 # ("normal") RoPE; the others use NEOX RoPE, which is already our half-split layout.
 _PERMUTED_ARCHS = ("llama",)
-_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
+
+# A mixture of experts (Mixtral as `llama`, `qwen3moe`): the router and every expert of a layer in one tensor,
+# numpy shapes [X, E] and [X, out, in]; ours are [E, X] and [X, in, out] (`_fetch_experts`).
+GGUF_EXPERTS: NameMap = {
+    "router": ("blk.{i}.ffn_gate_inp.weight", True),
+    "w_gate": ("blk.{i}.ffn_gate_exps.weight", False),
+    "w_up": ("blk.{i}.ffn_up_exps.weight", False),
+    "w_down": ("blk.{i}.ffn_down_exps.weight", False),
+}
 
 # Token texts llama.cpp treats as end-of-generation (llama-vocab.cpp, `special_eog_ids`),
 # beside the declared eos: chat models end turns with one and documents with another.
@@ -125,9 +134,11 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
         raise ValueError("GGUF file has neither tokenizer.ggml.tokens nor a vocab_size")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     num_layers = int(k("block_count"))
+    experts = int(k("expert_count", 0))
     cfg = ModelConfig(
         name="gguf", vocab_size=int(vocab), hidden_size=E,
-        intermediate_size=int(k("feed_forward_length")), num_layers=num_layers, num_heads=H,
+        intermediate_size=int(k("expert_feed_forward_length", 0) or k("feed_forward_length")) if experts
+        else int(k("feed_forward_length")), num_layers=num_layers, num_heads=H,
         num_kv_heads=int(k("attention.head_count_kv", H)), head_dim=D,
         rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta,
         rope_scaling=_rope_scaling(reader, D, theta),
@@ -135,6 +146,8 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in names, **_gemma_fields(arch, k, num_layers),
+        num_experts=experts, num_experts_per_tok=int(k("expert_used_count", 0)) if experts else 0,
+        norm_topk_prob=bool(k("expert_weights_norm", True)),
     )
     return cfg.replace(name=_name(cfg, field(reader, "general.name") or arch))
 
@@ -192,9 +205,11 @@ def load_gguf(path: str | os.PathLike | gguf.GGUFReader,
         if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
             w = unpermute_qk(w, heads)
+        if name.endswith("_exps.weight"):
+            w = np.swapaxes(w, -1, -2)  # each expert [out, in] -> [in, out]
         return w
 
-    return cfg, gather(cfg, GGUF_NAMES, fetch)
+    return cfg, gather(cfg, {**GGUF_NAMES, **GGUF_EXPERTS} if cfg.num_experts else GGUF_NAMES, fetch)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -172,3 +172,63 @@ def test_an_early_exit_draft_keeps_its_layers_windows():
     draft = early_exit_draft(target, [1, 2])
     assert target.config.layer_windows == (8, 0, 8) and draft.config.layer_windows == (0, 8)
     Llama(draft.config, params=draft.params)  # builds: the windows match its layers
+
+
+def test_a_mixtral_gguf_equals_transformers(tmp_path):
+    """A tiny Mixtral written as convert_hf_to_gguf writes one (`llama` architecture, Q/K rows permuted for
+    llama.cpp's RoPE, each layer's experts in one `ffn_*_exps` tensor, the router `ffn_gate_inp`) gives
+    transformers' logits."""
+    import gguf
+
+    from checkpoints.gguf_loader import load_gguf
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **COMMON)).float().eval()
+    with torch.no_grad():  # far from init, as `_build` does
+        for name, p in hf.named_parameters():
+            p.copy_(0.5 * torch.rand_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    c, sd = hf.config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
+    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_vocab_size, c.vocab_size),
+                       (w.add_expert_count, 4), (w.add_expert_used_count, 2)):
+        add(value)
+
+    def permute(t, heads):  # convert_hf_to_gguf's Q/K row order for llama.cpp's interleaved RoPE
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        # transformers 5 holds the experts fused in memory: gate_up [X, 2F, E] (gate first), down [X, E, F].
+        gate_up, F = sd[p + "mlp.experts.gate_up_proj"], c.intermediate_size
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :F]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, F:]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    cfg, params = load_gguf(tmp_path / "moe.gguf")
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+    tokens = np.asarray([PROMPTS[0][:16], PROMPTS[2][:16]])
+    with torch.no_grad():
+        want = hf(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(Llama(cfg, params=params).dense_logits(jnp.asarray(tokens, jnp.int32)))
+    assert np.abs(want).max() > 0.5  # logits far from zero: the comparison has something to compare
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
