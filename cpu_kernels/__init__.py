@@ -331,14 +331,14 @@ def paged_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int) 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, query_start_loc: jax.Array, layer: jax.Array, *,
-                    sm_scale: float | None = None, sliding_window: int | jax.Array = 0,
+                    sm_scale: float | None = None, softcap: float = 0.0, sliding_window: int | jax.Array = 0,
                     tree_mask: jax.Array | None = None) -> jax.Array:
     """Causal (or token-tree) attention of ragged query tokens over a paged KV pool, in the native kernel.
 
     Same arguments, result and semantics as `ragged_paged_attention_reference`:
     q `[T, H, D]`, pools `[L, P, B, K, D]` (float32 or bfloat16), int32
     block_tables `[S, M]`, seq_lens `[S]`, query_start_loc `[S+1]`, layer `[]`,
-    sliding_window (int or int32 `[]`, 0 = global), optional int32 tree_mask `[T]` (`pallas_kernels.reference.tree_visible`);
+    softcap (0 = none), sliding_window (int or int32 `[]`, 0 = global), optional int32 tree_mask `[T]` (`pallas_kernels.reference.tree_visible`);
     returns `[T, H, D]` in q's dtype (float32 inside). Requires `available()`
     and `paged_attention_supported(H, K, D)`. An out-of-range block table
     entry or length raises at run time instead of reading outside the pool.
@@ -350,7 +350,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_
     out = call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                query_start_loc.astype(jnp.int32), jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32),
                jnp.zeros((0,), jnp.int32) if tree_mask is None else tree_mask.astype(jnp.int32),
-               sm_scale=np.float32(scale))
+               sm_scale=np.float32(scale), softcap=np.float32(softcap))
     return out.astype(q.dtype)
 
 

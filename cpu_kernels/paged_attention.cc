@@ -18,6 +18,8 @@
 // Sliding windows: with a window W > 0 the token at position p sees KV positions p - W + 1 .. p only; the walk
 // starts at the tile holding the earliest position any row of the item sees.
 //
+// Soft-capped scores (Gemma 2): with softcap c > 0 each scaled score s becomes c tanh(s / c) before the softmax.
+//
 // Token trees: with a tree mask (int32 per query token), a token sees KV position p of its window (the step's
 // own tokens, from seq_len - n_s) only if bit p - (seq_len - n_s) of its mask is set (positions from the
 // 33rd window token on are not gated): the rule of reference.tree_visible. The cached prefix is unaffected.
@@ -106,7 +108,21 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
 struct Layout {
   int64_t T, H, Kh, G, D, P, B, max_blocks;
   float scale;
+  float softcap;  // 0: none
 };
+
+// s[0, n) -> c tanh(s / c), n a multiple of 8; tanh(y) = sign(y) (1 - e^{-2|y|}) / (1 + e^{-2|y|}), which has no
+// overflow for any |y| (-inf gives -c). One path for every caller (the AVX-512 ones too: AVX-512F CPUs run AVX2).
+__attribute__((target("avx2,fma"), noinline)) void soft_cap(float* s, int64_t n, float c) {
+  const __m256 cv = _mm256_set1_ps(c), inv = _mm256_set1_ps(1.f / c), sign = _mm256_set1_ps(-0.f);
+  const __m256 one = _mm256_set1_ps(1.f), minus_two = _mm256_set1_ps(-2.f);
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(s + j), inv);
+    const __m256 e = exp8(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, y)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + j, _mm256_mul_ps(cv, _mm256_or_ps(t, _mm256_and_ps(sign, y))));
+  }
+}
 
 // The sums of 8 vectors, one per lane: out[j] = sum of a[j]'s 8 lanes.
 __attribute__((target("avx2,fma"))) inline __m256 hsum8(const __m256* a) {
@@ -216,6 +232,7 @@ __attribute__((target("avx2,fma"))) void attend(const Layout& L, const Rows& R, 
         }
         _mm256_store_ps(&s[r][jb], _mm256_mul_ps(hsum8(a), scale));
       }
+      if (L.softcap > 0.f) soft_cap(s[r], kTile, L.softcap);
       for (int64_t jj = 0; jj < kTile; ++jj)
         if (!(seen >> jj & 1)) s[r][jj] = neg_inf;
       __m256 mx = _mm256_load_ps(&s[r][0]);  // the positions past valid hold -inf
@@ -331,6 +348,8 @@ __attribute__((target("avx512f"))) void attend_512(const Layout& L, const Rows& 
       for (int64_t d = 0; d < D; ++d) vbuf[jj * D + d] = to_f32(vp[d]);
     }
     for (int64_t r0 = 0; r0 < R.n; r0 += 8) kScores[std::min<int64_t>(8, R.n - r0) - 1](R.q + r0, kT, D, L.scale, s + r0);
+    if (L.softcap > 0.f)
+      for (int64_t r = 0; r < R.n; ++r) soft_cap(s[r], kTile, L.softcap);
     for (int64_t r = 0; r < R.n; ++r) {
       const uint32_t seen = visible(R, r, j0, std::min(n, R.limit[r] - j0));
       if (seen == 0) {  // nothing this row sees here: nothing added, nothing rescaled
@@ -408,7 +427,7 @@ struct Split {
 // One tile of n <= kTile positions (rows of the pool at k[jj], v[jj]) for rows r0 .. r0 + RB - 1.
 template <typename KV, int ND, int RB>
 __attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int64_t r0, int64_t j0, int64_t n,
-                                                   const KV* const* k, const KV* const* v, float scale) {
+                                                   const KV* const* k, const KV* const* v, float scale, float cap) {
   static_assert(kTile == 32, "two blocks of 16 positions");
   alignas(64) __m512 part[RB][16];
   __m512 qe[RB][ND], qo[RB][ND], ke[ND], ko[ND];
@@ -427,6 +446,8 @@ __attribute__((target("avx512f"))) void tile_split(Split& S, const Rows& R, int6
     }
     for (int r = 0; r < RB; ++r) _mm512_store_ps(S.s[r0 + r] + jb, _mm512_mul_ps(hsum16(part[r]), sc));
   }
+  if (cap > 0.f)
+    for (int r = 0; r < RB; ++r) soft_cap(S.s[r0 + r], kTile, cap);
   float corr[RB];
   for (int r = 0; r < RB; ++r) {
     float* s = S.s[r0 + r];
@@ -482,7 +503,7 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
                                                      const KV* v_layer, const int32_t* table, int64_t kh0,
                                                      int64_t heads) {
   using TileFn = void (*)(Split&, const Rows&, int64_t, int64_t, int64_t, const KV* const*, const KV* const*,
-                          float);
+                          float, float);
   static constexpr TileFn kTiles[4] = {&tile_split<KV, ND, 1>, &tile_split<KV, ND, std::min(2, kSplitRows<ND>)>,
                                        &tile_split<KV, ND, std::min(3, kSplitRows<ND>)>,
                                        &tile_split<KV, ND, std::min(4, kSplitRows<ND>)>};
@@ -523,7 +544,7 @@ __attribute__((target("avx512f"))) void attend_split(const Layout& L, const Rows
       for (int64_t jj = 0; jj < n; ++jj) krow[jj] = k_layer + at[jj] + h * D, vrow[jj] = v_layer + at[jj] + h * D;
       for (int64_t r0 = h * per_head; r0 < (h + 1) * per_head;) {
         const int64_t rb = std::min<int64_t>(kSplitRows<ND>, (h + 1) * per_head - r0);
-        kTiles[rb - 1](S, R, r0, j0, n, krow, vrow, L.scale);
+        kTiles[rb - 1](S, R, r0, j0, n, krow, vrow, L.scale, L.softcap);
         r0 += rb;
       }
     }
@@ -662,11 +683,12 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> sliding_window,
-                              ffi::Buffer<ffi::S32> tree_mask, float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> tree_mask, float sm_scale, float softcap,
+                              ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || bd.size() != 2 || k_pages.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("paged attention: want q [T, H, D], pools [L, P, B, K, D], tables [S, M]");
-  Layout L{qd[0], qd[1], kd[3], qd[1] / kd[3], qd[2], kd[1], kd[2], bd[1], sm_scale};
+  Layout L{qd[0], qd[1], kd[3], qd[1] / kd[3], qd[2], kd[1], kd[2], bd[1], sm_scale, softcap};
   const int64_t S = bd[0];
   if (kd[4] != L.D || L.H % L.Kh != 0 || L.G > kMaxG || L.D % 8 != 0 || L.D > kMaxD ||
       seq_lens.element_count() != S || query_start_loc.element_count() != S + 1 ||
@@ -705,5 +727,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JsePagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window []: 0 = none
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tree_mask [T], or [0]: causal
                                   .Attr<float>("sm_scale")
+                                  .Attr<float>("softcap")  // 0: none
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, D]
 );

@@ -51,15 +51,13 @@ def cpu_paged_attention(q, k_pages, v_pages, block_tables, seq_lens, query_start
                         softcap=0.0, sliding_window=0, tree_mask=None):
     """Paged attention on CPU, chosen at trace time from static shapes: the native kernel
     (`cpu_kernels.paged_attention`) for steps of at most `NATIVE_ATTENTION_MAX_TOKENS` tokens with head shapes it
-    takes and no soft-cap (Gemma 2's; the kernel has no tanh), else `ragged_paged_attention_reference`. Same
-    contract as both."""
+    takes, else `ragged_paged_attention_reference`. Same contract as both."""
     T, H, D = q.shape
     args = (q, k_pages, v_pages, block_tables, seq_lens, query_start_loc, layer)
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, tree_mask=tree_mask)
-    if (T <= NATIVE_ATTENTION_MAX_TOKENS and not softcap
-            and cpu_kernels.paged_attention_supported(H, k_pages.shape[3], D)):
+    kw = dict(sm_scale=sm_scale, softcap=softcap, sliding_window=sliding_window, tree_mask=tree_mask)
+    if T <= NATIVE_ATTENTION_MAX_TOKENS and cpu_kernels.paged_attention_supported(H, k_pages.shape[3], D):
         return cpu_kernels.paged_attention(*args, **kw)
-    return ragged_paged_attention_reference(*args, softcap=softcap, **kw)
+    return ragged_paged_attention_reference(*args, **kw)
 
 
 @jax.tree_util.register_pytree_node_class

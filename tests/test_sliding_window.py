@@ -56,25 +56,31 @@ Q_LENS = [1, 1, 1, 4, 40, 3, 1]
 KV_LENS = [1, 37, 100, 70, 140, 5, 64]
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
 @pytest.mark.parametrize("window", [1, 7, 33, 64])
-@pytest.mark.parametrize("D,dtype", [(16, jnp.float32), (64, jnp.float32), (64, jnp.bfloat16), (128, jnp.float32)])
-def test_native_and_reference_windows_equal_dense(window, D, dtype):
-    """The native kernel (each of its paths: D 16 transposed, 64 / 128 split, f32 and bf16 pools) and the jnp
-    reference equal the dense oracle under windows narrower and wider than a tile; the window is traced (a
-    scan over layers passes it as data)."""
+@pytest.mark.parametrize("D,dtype", [(8, jnp.float32), (16, jnp.float32), (64, jnp.float32), (64, jnp.bfloat16),
+                                     (128, jnp.float32)])
+def test_native_and_reference_windows_equal_dense(window, D, dtype, softcap):
+    """The native kernel (each of its paths on AVX-512: D 8 the AVX2 one, 16 transposed, 64 / 128 split; f32 and
+    bf16 pools) and the jnp
+    reference equal the dense oracle under windows narrower and wider than a tile, with and without Gemma 2's
+    score soft-cap (a cap of 2 bends every score: they span about +-4 here); the window is traced (a scan over
+    layers passes it as data)."""
     args = make_batch(3, Q_LENS, KV_LENS, heads=6, kv_heads=2, head_dim=D, block_size=16, pad_tokens=1, dtype=dtype)
-    want = dense_oracle(*args, 1, window)
+    want = dense_oracle(*args, 1, window, softcap=softcap)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    ref = jax.jit(lambda *a: ragged_paged_attention_reference(*a[:-1], sliding_window=a[-1]))(*args, 1, jnp.int32(window))
+    ref = jax.jit(lambda *a: ragged_paged_attention_reference(*a[:-1], softcap=softcap, sliding_window=a[-1]))(
+        *args, 1, jnp.int32(window))
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol, rtol=tol)
     if ck.available():
-        got = jax.jit(lambda *a: ck.paged_attention(*a[:-1], sliding_window=a[-1]))(*args, jnp.int32(1), jnp.int32(window))
+        got = jax.jit(lambda *a: ck.paged_attention(*a[:-1], softcap=softcap, sliding_window=a[-1]))(
+            *args, jnp.int32(1), jnp.int32(window))
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
 
 
 def test_windows_with_tree_masks_scale_and_softcap():
-    """A token tree in a verify window under a sliding window, Gemma's score scale and Gemma 2's soft-cap:
-    reference (and the native kernel, which takes no soft-cap, without it) equal the oracle."""
+    """A token tree in a verify window under a sliding window, Gemma's score scale and Gemma 2's soft-cap: the
+    reference and the native kernel equal the oracle."""
     args = make_batch(5, [5, 1, 6], [40, 20, 90], heads=4, kv_heads=2, head_dim=64, block_size=16)
     tree = jnp.asarray([1, 3, 5, 9, 17, 1, 1, 3, 7, 9, 19, 35], jnp.int32)  # two trees and a decode row
     scale, cap, window = 0.2, 5.0, 9
@@ -83,8 +89,8 @@ def test_windows_with_tree_masks_scale_and_softcap():
                                            tree_mask=tree)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
     if ck.available():
-        want = dense_oracle(*args, 1, window, scale, tree_mask=tree)
-        got = ck.paged_attention(*args, jnp.int32(1), sm_scale=scale, sliding_window=window, tree_mask=tree)
+        got = ck.paged_attention(*args, jnp.int32(1), sm_scale=scale, softcap=cap, sliding_window=window,
+                                 tree_mask=tree)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
