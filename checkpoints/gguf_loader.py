@@ -42,7 +42,7 @@ GGUF_NAMES: NameMap = {
 # Architectures whose Q/K rows convert_hf_to_gguf permuted for llama.cpp's interleaved
 # ("normal") RoPE; the others use NEOX RoPE, which is already our half-split layout.
 _PERMUTED_ARCHS = ("llama",)
-_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
+_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 # A mixture of experts (Mixtral as `llama`, `qwen3moe`): the router and every expert of a layer in one tensor,
 # numpy shapes [X, E] and [X, out, in]; ours are [E, X] and [X, in, out] (`_fetch_experts`).
@@ -135,6 +135,9 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
     bos = field(reader, "tokenizer.ggml.bos_token_id")
     num_layers = int(k("block_count"))
     experts = int(k("expert_count", 0))
+    if {"rope_factors_long.weight", "rope_factors_short.weight"} & names:
+        raise ValueError("LongRoPE scaling (rope_factors_long / _short) is not supported")
+    window = int(k("attention.sliding_window", 0)) if arch == "phi3" else 0  # Phi-3: every layer
     cfg = ModelConfig(
         name="gguf", vocab_size=int(vocab), hidden_size=E,
         intermediate_size=int(k("expert_feed_forward_length", 0) or k("feed_forward_length")) if experts
@@ -145,7 +148,8 @@ def _config(reader: gguf.GGUFReader, names: set[str]) -> ModelConfig:
         max_position_embeddings=int(k("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names, qkv_bias="blk.0.attn_q.bias" in names,
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_token_ids(reader),
-        qk_norm="blk.0.attn_q_norm.weight" in names, **_gemma_fields(arch, k, num_layers),
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        **({"layer_windows": (window,) * num_layers} if window else _gemma_fields(arch, k, num_layers)),
         num_experts=experts, num_experts_per_tok=int(k("expert_used_count", 0)) if experts else 0,
         norm_topk_prob=bool(k("expert_weights_norm", True)),
     )
@@ -194,8 +198,20 @@ def load_gguf(path: str | os.PathLike | gguf.GGUFReader,
     if dtype is not None:
         cfg = cfg.replace(dtype=dtype)
     permuted = field(reader, "general.architecture") in _PERMUTED_ARCHS
+    q, kv, F = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    # Phi-3's fused projections (llama.cpp's `attn_qkv`, and `ffn_up` holding gate then up), as row slices.
+    fused = {"attn_q": ("attn_qkv", 0, q), "attn_k": ("attn_qkv", q, q + kv), "attn_v": ("attn_qkv", q + kv, q + 2 * kv),
+             "ffn_gate": ("ffn_up", 0, F), "ffn_up": ("ffn_up", F, 2 * F)}
+    phi3 = field(reader, "general.architecture") == "phi3"
 
     def fetch(name: str) -> np.ndarray:
+        part = name.split(".")[2] if name.startswith("blk.") else None
+        if phi3 and part in fused:
+            whole, lo, hi = fused[part]
+            return fetch_whole(name.replace(part, whole))[lo:hi]
+        return fetch_whole(name)
+
+    def fetch_whole(name: str) -> np.ndarray:
         t = tensors[name]
         if t.tensor_type in (gguf.GGMLQuantizationType.F64, gguf.GGMLQuantizationType.I8,
                              gguf.GGMLQuantizationType.I16, gguf.GGMLQuantizationType.I32):

@@ -174,6 +174,56 @@ def test_an_early_exit_draft_keeps_its_layers_windows():
     Llama(draft.config, params=draft.params)  # builds: the windows match its layers
 
 
+def _gguf_header(w, c, **extra) -> None:
+    """The metadata convert_hf_to_gguf writes for transformers config `c`, and `extra` (`add_<name>` values)."""
+    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
+                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
+                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
+                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
+                       (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_vocab_size, c.vocab_size)):
+        add(value)
+    for name, value in extra.items():
+        getattr(w, f"add_{name}")(value)
+
+
+def _close(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_phi3_gguf_equals_transformers(tmp_path):
+    """Phi-3 as llama.cpp stores it (`phi3`: fused `attn_qkv`, `ffn_up` holding gate then up, NEOX RoPE, its
+    window in the header) gives transformers' logits."""
+    import gguf
+
+    from checkpoints.gguf_loader import load_gguf
+
+    hf = _build("phi3", tmp_path / "hf")
+    c, sd = hf.config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    _gguf_header(w, c, sliding_window=WINDOW)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for ours, theirs in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+                             ("attn_qkv", "self_attn.qkv_proj"), ("attn_output", "self_attn.o_proj"),
+                             ("ffn_up", "mlp.gate_up_proj"), ("ffn_down", "mlp.down_proj")):
+            w.add_tensor(f"blk.{i}.{ours}.weight", sd[f"{p}{theirs}.weight"])
+    _close(w)
+    cfg, params = load_gguf(tmp_path / "phi3.gguf")
+    assert cfg.layer_windows == (WINDOW,) * 3
+    tokens = np.asarray([PROMPTS[0][:16], PROMPTS[2][:16]])
+    with torch.no_grad():
+        want = hf(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(Llama(cfg, params=params).dense_logits(jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
 def test_a_mixtral_gguf_equals_transformers(tmp_path):
     """A tiny Mixtral written as convert_hf_to_gguf writes one (`llama` architecture, Q/K rows permuted for
     llama.cpp's RoPE, each layer's experts in one `ffn_*_exps` tensor, the router `ffn_gate_inp`) gives
@@ -190,14 +240,7 @@ def test_a_mixtral_gguf_equals_transformers(tmp_path):
             p.copy_(0.5 * torch.rand_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     c, sd = hf.config, {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), "llama")
-    for add, value in ((w.add_block_count, c.num_hidden_layers), (w.add_context_length, c.max_position_embeddings),
-                       (w.add_embedding_length, c.hidden_size), (w.add_feed_forward_length, c.intermediate_size),
-                       (w.add_head_count, c.num_attention_heads), (w.add_head_count_kv, c.num_key_value_heads),
-                       (w.add_key_length, c.head_dim), (w.add_value_length, c.head_dim),
-                       (w.add_rope_freq_base, c.rope_parameters["rope_theta"]),
-                       (w.add_layer_norm_rms_eps, c.rms_norm_eps), (w.add_vocab_size, c.vocab_size),
-                       (w.add_expert_count, 4), (w.add_expert_used_count, 2)):
-        add(value)
+    _gguf_header(w, c, expert_count=4, expert_used_count=2)
 
     def permute(t, heads):  # convert_hf_to_gguf's Q/K row order for llama.cpp's interleaved RoPE
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
@@ -219,10 +262,7 @@ def test_a_mixtral_gguf_equals_transformers(tmp_path):
         w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate_up[:, :F]))
         w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gate_up[:, F:]))
         w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
 
     cfg, params = load_gguf(tmp_path / "moe.gguf")
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
