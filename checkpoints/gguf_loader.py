@@ -45,7 +45,7 @@ _PERMUTED_ARCHS = ("llama",)
 _ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 
 # A mixture of experts (Mixtral as `llama`, `qwen3moe`): the router and every expert of a layer in one tensor,
-# numpy shapes [X, E] and [X, out, in]; ours are [E, X] and [X, in, out] (`_fetch_experts`).
+# numpy shapes [X, E] and [X, out, in]; ours are [E, X] and [X, in, out] (`load_gguf` swaps each expert's axes).
 GGUF_EXPERTS: NameMap = {
     "router": ("blk.{i}.ffn_gate_inp.weight", True),
     "w_gate": ("blk.{i}.ffn_gate_exps.weight", False),
@@ -188,7 +188,8 @@ def load_gguf(path: str | os.PathLike | gguf.GGUFReader,
     """Reads a GGUF file's (or open reader's) config and weights, dequantized to `dtype` (default float32).
 
     Every tensor type `gguf.quants.dequantize` knows is accepted (F32, F16, BF16, Q4_0..Q8_0,
-    K-quants, IQ*). Returns (config, params) with params named and shaped as `param_specs`.
+    K-quants, IQ*). Returns (config, params) with params named and shaped as `param_specs` (Phi-3's fused
+    projections sliced, a mixture of experts' fused expert tensors split per expert).
     Raises ValueError for an unsupported architecture or unknown vocabulary size, NotImplementedError
     for a tensor type the gguf package cannot dequantize, KeyError for a missing tensor.
     """
