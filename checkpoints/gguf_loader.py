@@ -15,7 +15,7 @@ from gguf.quants import dequantize
 
 from checkpoints._layout import NameMap, gather
 from model.config import ModelConfig, RopeScaling, get_preset, preset_names
-from model.llama import rope_inv_freq
+from model.ops import rope_inv_freq
 
 GGUF_NAMES: NameMap = {
     "embed": ("token_embd.weight", False),

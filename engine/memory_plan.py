@@ -104,7 +104,7 @@ def memory_plan(cfg: ModelConfig, tensor_parallel_size: int = 1, kv_cache_dtype:
     wb, kvb = _BYTES[cfg.dtype], _BYTES[kv_cache_dtype or cfg.dtype]
     weights = sum(int(np.prod(shape)) * (4 if name == "head_ids" else wb)  # head_ids: int32
                   for name, shape in shard_shapes(cfg, tp).items())
-    tables = 2 if cfg.rope_local_theta else 1  # the RoPE tables (model.llama.rope_table), float32
+    tables = 2 if cfg.rope_local_theta else 1  # the RoPE tables (model.ops.rope_table), float32
     weights += tables * cfg.max_position_embeddings * cfg.head_dim * 4
     Kd = kv_heads_per_device(cfg.num_kv_heads, tp)
     kv_per_token = 2 * cfg.num_layers * Kd * cfg.head_dim * kvb

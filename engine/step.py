@@ -24,7 +24,8 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 from model.eagle import FC, EagleHead
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from model.llama import TP_AXIS, LayerAttention, Llama, kv_heads_per_device
+from model.llama import TP_AXIS, Llama, kv_heads_per_device
+from model.ops import LayerAttention
 from scheduler.request import MAX_LOGPROBS
 
 

@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
-from model.llama import LAYER_PARAMS, AttendFn, Llama
+from model.llama import LAYER_PARAMS, Llama
+from model.ops import AttendFn
 from model.packed import keep_packed
 
 FC = "eagle_fc"  # params key of the fusion layer, float `[2E, E]`

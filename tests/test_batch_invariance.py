@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from model import numerics
-from model.llama import rms_norm
+from model.ops import rms_norm
 
 
 def _ulps(got, want):

@@ -21,7 +21,8 @@ from engine import Engine, EngineConfig
 from engine.spec.config import SpeculationConfig
 from model.config import get_preset
 from model.eagle import FC, EagleHead, deepen
-from model.llama import Llama, dense_attention
+from model.llama import Llama
+from model.ops import dense_attention
 from scheduler.request import InvalidRequestError, SamplingParams
 from tests.test_speculative import CFG, PROMPTS, _chi2_pvalue, _exact_joint, _first_three_tokens, _run
 

@@ -199,7 +199,7 @@ def dense_rows(S: int, Lq: int):
     import jax
     import jax.numpy as jnp
 
-    from model.llama import dense_attention
+    from model.ops import dense_attention
 
     pos = jnp.arange(Lq, dtype=jnp.int32)
     seg = jnp.zeros(Lq, jnp.int32)
