@@ -9,14 +9,18 @@ filter_logits`), so the emitted tokens follow exactly the distribution that
 `engine.sampler.sample` draws from.
 
 Randomness. Every random draw is keyed by (seed, stream, position), so a
-seeded request is reproducible and independent of the batch, of its row and
-of the speculation length:
+seeded request is reproducible and independent of its row:
   - the token the target emits last in a step (the correction or bonus token)
     uses `fold_in(key(seed), position)` and `engine.sampler.draw`, exactly as
     `engine.sampler.sample` does; a row with no draft tokens therefore emits
     the same token as the plain sampler, bit for bit;
   - acceptance uniforms use `fold_in(fold_in(key(seed), ACCEPT_STREAM), position)`;
   - draft tokens use `fold_in(fold_in(key(seed), DRAFT_STREAM), position)`.
+A sampled row's tokens still depend on where its windows start: a draft slot
+emits the accepted proposal, a window's last slot the target's own draw. The
+token budget (`Scheduler._draft_len`) and preemption can move those starts,
+so such outputs are equal in distribution to decoding without speculation,
+not token for token (tests/test_speculative_logprobs.py).
 The stream tags are >= 2**31, never a position (positions are int32 >= 0).
 That matters: with threefry, `fold_in(k, d)` is the same counter block as
 element `d` of `jax.random.bits(k, ...)`, so a small tag could derive the
