@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct through the engine's default path (paged KV pool, chunked prefill across block and chunk
-edges, a prefix-cache hit, each CPU kernel family this machine runs, bf16 kernel weights) against transformers'
-float32 forward of the same GGUF: per-token logprobs of generation and of `LLM.score`, and greedy tokens.
+edges, a prefix-cache hit, each CPU kernel family this machine runs, bf16 kernel weights, the native and the
+reference attention) against transformers' float32 forward of the same GGUF: per-token logprobs of generation and
+of `LLM.score`, and greedy tokens.
 
 Tolerance, from the dtype of the products' inputs: `4096 * u`, u the unit roundoff (float32: 2**-24, so 2.4e-4
 in a logprob; AMX splits activations and weights into bf16 hi + lo parts, about 16 significant bits: 2**-17,
@@ -85,17 +86,20 @@ def _check_generated(out, ref: np.ndarray, tol: float) -> None:
         assert set(ids[:TOP]) == set(top.tolist()) or rows[i, top[TOP - 1]] - rows[i, top[TOP]] <= 2 * tol
 
 
-ENGINES = [(family, "float32") for family in kernels.FAMILIES] + [(kernels.isa_default("bfloat16"), "bfloat16")]
+# (kernel family, kernel weights' dtype, attention): "auto" attention is the native kernel for steps of up to
+# 512 tokens, the jnp reference above; "reference" runs the reference on every step.
+ENGINES = ([(family, "float32", "auto") for family in kernels.FAMILIES]
+           + [(kernels.isa_default("bfloat16"), "bfloat16", "auto"), (kernels.isa_default(), "float32", "reference")])
 
 
-@pytest.mark.parametrize("family,kernel_dtype", ENGINES, ids=[f"{f}-{d}" for f, d in ENGINES])
-def test_logprobs_and_greedy_tokens_equal_transformers(hf, family, kernel_dtype):
+@pytest.mark.parametrize("family,kernel_dtype,attention", ENGINES, ids=["-".join(e) for e in ENGINES])
+def test_logprobs_and_greedy_tokens_equal_transformers(hf, family, kernel_dtype, attention):
     if family not in kernels.families(kernel_dtype):
         pytest.skip(f"this CPU does not run the {family} kernels")
     tol = _tolerance(family)
     oracle = _bf16_weights(hf) if kernel_dtype == "bfloat16" else hf
-    llm = LLM(speculative=None, matmul=family, kernel_dtype=kernel_dtype, block_size=BLOCK_SIZE, num_blocks=64,
-              max_num_seqs=4, max_num_batched_tokens=BUDGET)
+    llm = LLM(speculative=None, matmul=family, kernel_dtype=kernel_dtype, attention=attention, block_size=BLOCK_SIZE,
+              num_blocks=64, max_num_seqs=4, max_num_batched_tokens=BUDGET)
     assert llm.engine.kernel_choice.family == family
     texts = [prompts("summarization")[0], chat_messages(1)[0], prompts("code")[0]]
     sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP)
