@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 from engine import Engine, EngineConfig
 from engine.spec.config import SpeculationConfig
 from engine.spec.suffix import MAX_DEPTH, MAX_MATCH
 from scheduler.request import SamplingParams
 from engine.spec.suffix import SuffixCache, SuffixTrie
-from tests.test_speculative import PROMPTS, _chi2_pvalue, _exact_joint, _first_three_tokens, _model, _run
+from tests.test_speculative import (PROMPTS, SAMPLES, SETTINGS, VOCAB, _assert_follows_the_target, _first_three_tokens,
+                                    _model, _run)
 
 SUFFIX = SpeculationConfig(8, min_acceptance=0.0, method="suffix", tree_nodes=8)
 CFG = EngineConfig(num_blocks=96, block_size=16, max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=False)
@@ -194,41 +194,18 @@ def test_the_global_tries_stay_within_their_token_budget_over_a_long_run(target)
     assert cache._added >= 2 * len(kept) and cache.num_tokens > 200 - 28  # evicted, down to the budget
 
 
-def _power(probs, n, shift=0.05, alpha=1e-3):
-    """Power of `_chi2_pvalue` at `alpha` with `n` samples of `probs` (a token's distribution) against the
-    same distribution with `shift` more probability on its likeliest token (the rest scaled to make room),
-    from the noncentral chi-square with `_chi2_pvalue`'s merged cells."""
-    top = int(probs.argmax())
-    alt = probs * (1 - probs[top] - shift) / (1 - probs[top])
-    alt[top] = probs[top] + shift
-    big = probs * n >= 5
-    p0, p1 = (np.append(p[big], p[~big].sum()) for p in (probs, alt))
-    p0, p1 = p0[p0 > 0], p1[p0 > 0]
-    df = len(p0) - 1
-    return stats.ncx2.sf(stats.chi2.isf(alpha, df), df, n * np.sum((p1 - p0) ** 2 / p0))
-
-
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
-                         ids=["t1", "t0.7-top_p0.9"])
-def test_first_three_tokens_follow_the_target_exactly(sp):
-    """N = 3000 seeded requests of one prompt over a vocabulary of 8: from the first finished ones on, the global
-    trie proposes the continuations earlier samples took (a frequency-scored tree of the target's own
-    distribution). Chi-square at the 0.001 level against the exact joint of tokens 1-3, and against each token's
-    exact marginal, where the test's power against 0.05 more probability on that token's likeliest value is
-    asserted > 0.9 (the joint's 512 cells give it less)."""
-    target = _model(vocab_size=8, seed=0, scale=8.0)
+def test_first_three_tokens_follow_the_target_exactly():
+    """Seeded requests of one prompt: from the first finished ones on, the global trie proposes the continuations
+    earlier samples took (a frequency-scored tree of the target's own distribution). As the draft-model test
+    (tests/test_speculative.py): each setting's first three tokens follow the target's exact joint, with the
+    test's power stated."""
+    target = _model(vocab_size=VOCAB, seed=0, scale=8.0)
     engine = Engine(target, EngineConfig(num_blocks=300, block_size=4, max_num_seqs=64, max_num_batched_tokens=256,
                                          async_scheduling=False),
                     speculation=dataclasses.replace(SUFFIX, num_speculative_tokens=2, tree_nodes=4))
-    prompt = [1, 5, 2, 0, 3, 4, 6, 7, 1, 5]
-    N = 3000
-    counts, drafted, accepted = _first_three_tokens(engine, prompt, sp, N)
-    assert drafted >= N and 0.05 < accepted / drafted < 0.95
+    prompt = [1, 2, 0, 3, 1, 2]
+    got = _first_three_tokens(engine, prompt, SETTINGS, SAMPLES)
     assert engine.proposer.cache.num_tokens > 0
-    exact = _exact_joint(target, prompt, sp)
-    assert _chi2_pvalue(counts.ravel(), exact.ravel()) > 1e-3
-    for i in range(3):
-        others = tuple(j for j in range(3) if j != i)
-        marginal = exact.sum(others)
-        assert _power(marginal, N) > 0.9
-        assert _chi2_pvalue(counts.sum(others), marginal) > 1e-3
+    for name, (counts, drafted, accepted) in got.items():
+        assert drafted >= SAMPLES and 0.05 < accepted / drafted < 0.95, name
+        _assert_follows_the_target(counts, target, prompt, SETTINGS[name])

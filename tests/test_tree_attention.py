@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cpu_kernels as ck
+from engine.spec.tree_verify import tree_masks
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
-from pallas_kernels.reference import causal_tree_mask, ragged_paged_attention_reference, tree_visible
+from pallas_kernels.reference import causal_tree_mask, ragged_paged_attention_reference
 from scheduler.packing import _ancestor_masks
 from tests.test_pallas_attention import TOL, make_batch
 
@@ -30,21 +31,35 @@ def random_tree(rng, depth, width):
     return parents
 
 
+def ancestor_masks(parents):
+    """The oracle of the tree masks: node i's mask has bit j set iff j is i or an ancestor of i, found by
+    walking its parents up to the root."""
+    masks = []
+    for i in range(len(parents)):
+        bits, j = 0, i
+        while j >= 0:
+            bits |= 1 << j
+            j = parents[j]
+        masks.append(bits)
+    return np.asarray(masks, np.uint32).view(np.int32)
+
+
 def tree_batch(seed, rows, *, heads=6, kv_heads=2, head_dim=16, block_size=8, dtype=jnp.float32, pad_tokens=1):
     """A ragged batch and its tree masks. rows: per sequence ("tree", context, parents) or
-    ("causal", context, query length); causal rows get `causal_tree_mask`."""
+    ("causal", context, query length); tree rows get `ancestor_masks`, causal rows `causal_tree_mask`."""
     q_lens = [len(r[2]) if r[0] == "tree" else r[2] for r in rows]
     kv_lens = [r[1] + n for r, n in zip(rows, q_lens)]
     args = make_batch(seed, q_lens, kv_lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       block_size=block_size, pad_tokens=pad_tokens, dtype=dtype)
-    masks = [_ancestor_masks(np.asarray(r[2])).view(np.int32) if r[0] == "tree"
+    masks = [ancestor_masks(r[2]) if r[0] == "tree"
              else np.asarray(causal_tree_mask(np.arange(n))) for r, n in zip(rows, q_lens)]
     masks.append(np.zeros(pad_tokens, np.int32))
     return args, jnp.asarray(np.concatenate(masks).astype(np.int32))
 
 
 def dense_oracle(args, tree_mask, layer):
-    """float64, one token at a time: softmax over the cached prefix and the window tokens its mask allows."""
+    """float64, one token at a time: softmax over the cached prefix and the window tokens its mask allows (bit j
+    of its mask for window token j < 32; causality alone from the 33rd on)."""
     q, k, v, bt, sl, qsl = (np.asarray(a, np.float64) if i < 3 else np.asarray(a) for i, a in enumerate(args))
     T, H, D = q.shape
     B, K = k.shape[2], k.shape[3]
@@ -58,8 +73,9 @@ def dense_oracle(args, tree_mask, layer):
         ks, vs = k[layer][slots], v[layer][slots]  # [len, K, D]
         for i in range(n):
             t, window = qsl[s] + i, length - n
-            seen = (pos < window) | ((pos <= window + i) &
-                                     np.asarray(tree_visible(tree_mask[t], jnp.asarray(pos - window))))
+            bits = int(tree_mask[t]) & 0xFFFFFFFF
+            seen = np.asarray([p < window or (p <= window + i and (p - window >= 32 or bits >> (p - window) & 1))
+                               for p in pos], bool)
             if not seen.any():
                 continue
             for h in range(H):
@@ -112,12 +128,25 @@ def test_native_tree_paths_equal_reference(D, dtype):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_and_engine_masks_are_the_ancestor_sets():
+    """The masks the packer (`scheduler.packing`) and the engine (`tree_masks`, with depths) build equal the
+    oracle's on random trees, chains and stars of up to 32 nodes."""
+    rng = np.random.default_rng(0)
+    trees = [random_tree(rng, int(rng.integers(1, 12)), int(rng.integers(1, 5))) for _ in range(40)]
+    trees += [list(range(-1, 31)), [-1] + [0] * 31]
+    for parents in trees:
+        want = ancestor_masks(parents)
+        np.testing.assert_array_equal(_ancestor_masks(np.asarray(parents)).view(np.int32), want)
+        masks, depth = tree_masks(jnp.asarray([parents], jnp.int32))
+        np.testing.assert_array_equal(np.asarray(masks)[0], want)
+        np.testing.assert_array_equal(np.asarray(depth)[0], [bin(int(m) & 0xFFFFFFFF).count("1") - 1 for m in want])
+
+
 def test_chain_tree_is_causal_attention():
     """A chain (one child per node) gives the causal masks, and every kernel's output with them is its causal
     output, bit for bit."""
     chain = list(range(-1, 7))
-    np.testing.assert_array_equal(_ancestor_masks(np.asarray(chain)).view(np.int32),
-                                  np.asarray(causal_tree_mask(np.arange(8))))
+    np.testing.assert_array_equal(ancestor_masks(chain), np.asarray(causal_tree_mask(np.arange(8))))
     assert int(causal_tree_mask(31)) == -1 and int(causal_tree_mask(40)) == -1
     rows = [("tree", 37, chain), ("causal", 3, 40), ("causal", 20, 1)]
     args, tree = tree_batch(2, rows)
@@ -169,7 +198,7 @@ def test_tree_window_through_the_model_equals_each_path_as_a_chain(attention):
     from flax import nnx
 
     from engine.step import KVPool, cpu_paged_attention, paged_attend
-    from engine.spec.tree_verify import move_path_kv, tree_masks
+    from engine.spec.tree_verify import move_path_kv
     from model.config import get_preset
     from model.llama import Llama
 

@@ -1,26 +1,27 @@
-"""Token-tree verification (engine/spec/tree_verify.py): masks and depths, greedy paths, the statistical exactness
-of multi-candidate speculative sampling, the coupled verify of deterministic trees, and moving the accepted
-path's KV into place.
+"""Token-tree verification (engine/spec/tree_verify.py): masks and depths, the coupled verify the engine runs
+(`verify_tree_coupled`, engine/spec/programs.py) on greedy and sampled rows, and moving the accepted path's KV
+into place.
 
 The "tiny models" here are second-order Markov tables over a 4-token vocabulary (logits of the next token given
-the last two), so the exact joint distribution of the first three emitted tokens is known in closed form.
-Power: Pearson's chi-square at ALPHA = 0.001 on N = 60,000 rows over the 64-cell joint has power >= 0.99 against
-any alternative at total-variation distance 0.02 (tests/test_verify.py's argument and `test_power_is_as_stated`).
+the last two), so the exact joint distribution of the first three emitted tokens (64 cells) is known in closed
+form; each sampled setting's chi-square test states its power (tests/chi2.py).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampler import filter_logits, sample
-from engine.spec.tree_verify import move_path_kv, tree_masks, verify_tree, verify_tree_coupled
-from tests.test_verify import ALPHA, N, _chi2_pvalue, _settings
+from engine.sampler import sample
+from engine.spec.tree_verify import move_path_kv, tree_masks, verify_tree_coupled
+from tests import chi2
+from tests.test_verify import _settings
 
 V = 4
 PREFIX = (1, 2)
-# Root with 3 children, each with 2: the draft's i.i.d. candidates; node i's parent.
+# Root with 3 children, each with 2; node i's parent.
 WIDE = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]
+# The root's and each child's two likeliest draft tokens (Medusa's and EAGLE-2's top-k trees), depth 2.
+TOP2 = [-1, 0, 0, 1, 1, 2, 2]
 
 
 def _table(seed, scale):
@@ -28,10 +29,20 @@ def _table(seed, scale):
 
 
 def _probs(logits, sp):
-    """Filtered distributions of logits `[..., V]` under settings dict `sp` (float64)."""
-    flat = jnp.asarray(logits.reshape(-1, V))
-    out = jax.nn.softmax(filter_logits(flat, *_settings(flat.shape[0], **sp)), axis=-1)
-    return np.asarray(out, np.float64).reshape(logits.shape)
+    """Filtered distributions of logits `[..., V]` under settings dict `sp`, computed in float64 (softmax of the
+    logits over temperature, then top-p / min-p on the sorted probabilities)."""
+    t = sp.get("temperature", 1.0)
+    z = logits.astype(np.float64) / t
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = p >= sp.get("min_p", 0.0) * p.max(-1, keepdims=True)
+    order = np.argsort(-p, axis=-1, kind="stable")
+    sorted_p = np.take_along_axis(p, order, axis=-1)
+    before = np.cumsum(sorted_p, axis=-1) - sorted_p  # mass of the likelier tokens
+    in_top_p = np.zeros_like(keep)
+    np.put_along_axis(in_top_p, order, before < sp.get("top_p", 1.0), axis=-1)
+    p = np.where(keep & in_top_p, p, 0.0)
+    return p / p.sum(-1, keepdims=True)
 
 
 def _exact_joint(target, sp):
@@ -51,62 +62,89 @@ def _contexts(tokens, parents, prev):
     return np.where(parents >= 0, before, prev[:, None]), tokens
 
 
-def _first_three(target, draft, sp, shape, seed=0):
-    """Runs N rows from PREFIX until each has emitted 3 tokens, a fresh tree of the draft's i.i.d. candidates
-    per step (`shape`: parents), verified by `verify_tree`; returns int `[N, 3]`."""
-    rng = np.random.default_rng(seed)
-    parents = np.tile(np.asarray(shape, np.int32), (N, 1))
-    M = parents.shape[1]
-    out = np.tile(np.asarray(PREFIX), (N, 1)).tolist()
-    seeds = jnp.arange(N, dtype=jnp.uint32) + jnp.uint32(7919 * seed)
-    settings = _settings(N, **sp)
-    while min(len(r) for r in out) < len(PREFIX) + 3:
-        tokens = np.zeros((N, M), np.int64)
-        tokens[:, 0] = [r[-1] for r in out]
-        prev = np.asarray([r[-2] for r in out])
-        for c in range(1, M):  # draw each candidate from p at its parent (parents come first)
+def _plain(target, sp, seeds, n=3):
+    """Sampling without speculation: one token per step from PREFIX, `[S, n]`."""
+    S = len(seeds)
+    out = np.tile(np.asarray(PREFIX), (S, 1))
+    for _ in range(n):
+        logits = jnp.asarray(target[out[:, -2], out[:, -1]])
+        nxt = sample(logits, *_settings(S, **sp), seeds, jnp.full(S, out.shape[1], jnp.int32))
+        out = np.concatenate([out, np.asarray(nxt)[:, None]], axis=1)
+    return out[:, len(PREFIX):]
+
+
+def _speculate(target, draft, sp, seeds, n=3):
+    """Rows from PREFIX until each has emitted `n` tokens: per step a TOP2 tree of the draft's candidates, the
+    target's token after each node drawn as the engine draws it (`sample` at the node's next position), then
+    `verify_tree_coupled`. Returns (the first `n` tokens `[S, n]`, accepted nodes per step `[steps * S]`)."""
+    S, M = len(seeds), len(TOP2)
+    parents = np.tile(np.asarray(TOP2, np.int32), (S, 1))
+    depth = np.asarray(tree_masks(jnp.asarray(parents))[1])
+    settings = [jnp.repeat(x, M) for x in _settings(S, **sp)]
+    out = np.zeros((S, len(PREFIX) + n + M), np.int64)
+    out[:, :len(PREFIX)] = PREFIX
+    length = np.full(S, len(PREFIX))
+    accepted = []
+    rows = np.arange(S)
+    while length.min() < len(PREFIX) + n:
+        tokens = np.zeros((S, M), np.int64)
+        tokens[:, 0] = out[rows, length - 1]
+        prev = out[rows, length - 2]
+        for c in range(1, M, 2):  # node c and c + 1: the draft's two likeliest after their parent
             a, b = _contexts(tokens, parents, prev)
-            p_parent = _probs(draft[a[:, parents[0, c]], b[:, parents[0, c]]], sp)
-            tokens[:, c] = (rng.random(N)[:, None] > np.cumsum(p_parent, axis=1)).sum(axis=1).clip(0, V - 1)
+            up = TOP2[c]
+            tokens[:, c:c + 2] = np.argsort(-draft[a[:, up], b[:, up]], axis=1, kind="stable")[:, :2]
         a, b = _contexts(tokens, parents, prev)
-        target_logits = jnp.asarray(target[a, b])  # [N, M, V]
-        draft_probs = jnp.asarray(_probs(draft[a, b], sp), jnp.float32)
-        root = jnp.asarray([len(r) - 1 for r in out], jnp.int32)
-        emitted, n, _ = verify_tree(target_logits, draft_probs, jnp.asarray(tokens, jnp.int32),
-                                    jnp.asarray(parents), jnp.full(N, M, jnp.int32), *settings, seeds, root)
-        emitted, n = np.asarray(emitted), np.asarray(n)
-        for r in range(N):
-            out[r].extend(emitted[r, :n[r]].tolist())
-    return np.asarray([r[len(PREFIX):len(PREFIX) + 3] for r in out])
+        positions = jnp.asarray((length - 1)[:, None] + depth + 1, jnp.int32).reshape(-1)
+        drawn = sample(jnp.asarray(target[a, b]).reshape(-1, V), *settings, jnp.repeat(seeds, M),
+                       positions).reshape(S, M)
+        emitted, num, _ = verify_tree_coupled(drawn, jnp.asarray(tokens, jnp.int32), jnp.asarray(parents),
+                                              jnp.full(S, M, jnp.int32))
+        emitted, num = np.asarray(emitted), np.asarray(num)
+        for j in range(num.max()):
+            live = j < num
+            out[rows[live], length[live] + j] = emitted[live, j]
+        length += num
+        accepted.append(num - 1)
+    return out[:, len(PREFIX):len(PREFIX) + n], np.concatenate(accepted)
 
 
-@pytest.mark.parametrize("sp", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_p=0.9)],
-                         ids=["t1", "t0.7", "top_p0.9"])
-def test_first_three_tokens_follow_the_target_exactly(sp):
-    """Trees of 3 + 6 i.i.d. draft candidates, an unrelated draft (many rejections at every sibling): the joint
-    of the first three emitted tokens fits the target's exact joint (after filtering) at ALPHA. With the residual
-    update between siblings removed, the same test gives p-values below 1e-30 at each setting."""
-    target, draft = _table(0, 2.0), _table(1, 2.0)
-    three = _first_three(target, draft, sp, WIDE, seed=1)
-    cells = three[:, 0] * V * V + three[:, 1] * V + three[:, 2]
-    assert _chi2_pvalue(cells, _exact_joint(target, sp)) > ALPHA
+@pytest.mark.parametrize("sp", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(min_p=0.2),
+                                dict(temperature=0.0)], ids=["t1", "t0.7-top_p0.9", "min_p0.2", "greedy"])
+def test_coupled_verify_of_top_k_trees_equals_plain_sampling(sp):
+    """Top-2 trees of depth 2 from an unrelated draft: every row's first three tokens equal sampling without
+    speculation (same seed and positions), token for token, and, sampled, follow the target's exact joint
+    (chi-square with its power stated), with the first verify rejecting the whole tree, taking one node or two."""
+    target, draft = _table(1, 2.0), _table(2, 2.0)
+    S = 20_000
+    seeds = jnp.arange(S, dtype=jnp.uint32) + 11
+    got, accepted = _speculate(target, draft, sp, seeds)
+    np.testing.assert_array_equal(got, _plain(target, sp, seeds))
+    if sp.get("temperature", 1.0) > 0:
+        first = accepted[:S]  # the first step's: every row's tree rooted at PREFIX
+        assert 0.2 < np.mean(first == 0) < 0.8 and np.mean(first == 2) > 0.05
+        cells = chi2.Cells(_exact_joint(target, sp), S)
+        assert cells.power >= chi2.POWER, cells
+        assert cells.pvalue(np.bincount(got @ [V * V, V, 1], minlength=V ** 3)) > chi2.ALPHA, cells
 
 
-def test_draft_equal_to_target_accepts_every_first_candidate():
-    """q == p: the first child at each node is always accepted, down to a leaf, then the bonus."""
-    target = _table(2, 1.0)
-    sp = dict(temperature=1.0)
-    S = 500
-    tokens = np.random.default_rng(0).integers(0, V, (S, len(WIDE)))
-    parents = np.tile(np.asarray(WIDE, np.int32), (S, 1))
-    a, b = _contexts(tokens, parents, np.zeros(S, np.int64))
-    q = jnp.asarray(_probs(target[a, b], sp), jnp.float32)
-    emitted, n, path = verify_tree(jnp.asarray(target[a, b]), q, jnp.asarray(tokens, jnp.int32), jnp.asarray(parents),
-                                   jnp.full(S, len(WIDE), jnp.int32), *_settings(S, **sp),
-                                   jnp.arange(S, dtype=jnp.uint32), jnp.full(S, 3, jnp.int32))
-    np.testing.assert_array_equal(np.asarray(n), 3)
-    np.testing.assert_array_equal(np.asarray(path)[:, :2], np.tile([1, 4], (S, 1)))
-    np.testing.assert_array_equal(np.asarray(emitted)[:, :2], tokens[:, [1, 4]])
+def test_a_tree_holding_the_targets_tokens_is_accepted_to_its_leaf():
+    """The first child of each node holds the target's token there: the walk takes nodes 1 then 4 (a leaf) and
+    emits their tokens and the target's token at node 4; cut to 4 nodes, it stops at node 1."""
+    S, M = 3, len(WIDE)
+    rng = np.random.default_rng(0)
+    target_tokens = rng.integers(0, V, (S, M))
+    tokens = (target_tokens + 1) % V  # no node holds its parent's target token...
+    tokens[:, 1] = target_tokens[:, 0]  # ...but node 1 (the root's first child) and node 4 (node 1's first)
+    tokens[:, 4] = target_tokens[:, 1]
+    num_nodes = jnp.asarray([M, M, 4])
+    emitted, n, path = verify_tree_coupled(jnp.asarray(target_tokens, jnp.int32), jnp.asarray(tokens, jnp.int32),
+                                           jnp.tile(jnp.asarray(WIDE, jnp.int32), (S, 1)), num_nodes)
+    np.testing.assert_array_equal(np.asarray(n), [3, 3, 2])
+    np.testing.assert_array_equal(np.asarray(path)[:, :3], [[1, 4, -1], [1, 4, -1], [1, -1, -1]])
+    want = [[tokens[r, 1], tokens[r, 4], target_tokens[r, 4], -1] for r in range(2)]
+    want.append([tokens[2, 1], target_tokens[2, 1], -1, -1])
+    np.testing.assert_array_equal(np.asarray(emitted)[:, :4], want)
 
 
 def test_tree_masks_and_depths():
@@ -131,59 +169,13 @@ def test_greedy_follows_the_argmax_path():
     logits[:, 0, 3] = logits[:, 2, 2] = logits[:, 7, 1] = 5.0  # argmax: 3 at the root, 2 at node 2, 1 at node 7
     logits[1, 0, 3], logits[1, 0, 1] = 0.0, 5.0  # row 1: argmax 1 at the root, no child holds it
     num_nodes = jnp.asarray([M, M, 7])  # row 2: node 7 is not in its tree
-    emitted, n, path = verify_tree(jnp.asarray(logits), jnp.zeros((S, M, V)), jnp.asarray(tokens),
-                                   jnp.tile(jnp.asarray(WIDE, jnp.int32), (S, 1)), num_nodes,
-                                   *_settings(S, temperature=0.0), jnp.zeros(S, jnp.uint32), jnp.zeros(S, jnp.int32))
+    argmax = sample(jnp.asarray(logits).reshape(-1, V), *_settings(S * M, temperature=0.0),
+                    jnp.zeros(S * M, jnp.uint32), jnp.zeros(S * M, jnp.int32)).reshape(S, M)
+    emitted, n, path = verify_tree_coupled(argmax, jnp.asarray(tokens), jnp.tile(jnp.asarray(WIDE, jnp.int32), (S, 1)),
+                                           num_nodes)
     np.testing.assert_array_equal(np.asarray(n), [3, 1, 2])
     np.testing.assert_array_equal(np.asarray(emitted)[:, :3], [[3, 2, 1], [1, -1, -1], [3, 2, -1]])
     np.testing.assert_array_equal(np.asarray(path)[:, :2], [[2, 7], [-1, -1], [2, -1]])
-    coupled = verify_tree_coupled(jnp.asarray(np.argmax(logits, -1), jnp.int32), jnp.asarray(tokens),
-                                  jnp.tile(jnp.asarray(WIDE, jnp.int32), (S, 1)), num_nodes)
-    for a, b in zip(coupled, (emitted, n, path)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-@pytest.mark.parametrize("sp", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=0.0)],
-                         ids=["t0.7", "top_p0.9", "greedy"])
-def test_coupled_verify_of_top_k_trees_equals_plain_sampling(sp):
-    """Top-2 trees of depth 2 from an unrelated draft, verified by `verify_tree_coupled` with the target's
-    token at each node drawn as the sampler draws it: every row's first three tokens equal sampling
-    without speculation (one token per step, same seed and positions), token for token."""
-    target, draft = _table(3, 2.0), _table(4, 2.0)
-    S = 2000
-    seeds = jnp.arange(S, dtype=jnp.uint32) + 11
-    settings = _settings(S, **sp)
-    plain = np.tile(np.asarray(PREFIX), (S, 1))
-    for _ in range(3):
-        logits = jnp.asarray(target[plain[:, -2], plain[:, -1]])
-        nxt = sample(logits, *settings, seeds, jnp.full(S, plain.shape[1], jnp.int32))
-        plain = np.concatenate([plain, np.asarray(nxt)[:, None]], axis=1)
-
-    shape = np.asarray([-1, 0, 0, 1, 1, 2, 2], np.int32)
-    parents = np.tile(shape, (S, 1))
-    out = np.tile(np.asarray(PREFIX), (S, 1)).tolist()
-    while min(len(r) for r in out) < len(PREFIX) + 3:
-        tokens = np.zeros((S, len(shape)), np.int64)
-        tokens[:, 0] = [r[-1] for r in out]
-        prev = np.asarray([r[-2] for r in out])
-        for parent, first in ((0, 1), (1, 3), (2, 5)):  # each node's two children: the draft's top 2
-            a, b = _contexts(tokens, parents, prev)
-            top = np.argsort(-draft[a[:, parent], b[:, parent]], axis=1, kind="stable")[:, :2]
-            tokens[:, first:first + 2] = top
-        a, b = _contexts(tokens, parents, prev)
-        _, depth = tree_masks(jnp.asarray(parents))
-        root = np.asarray([len(r) - 1 for r in out])
-        pos = jnp.asarray(root[:, None] + np.asarray(depth) + 1, jnp.int32)  # position of each node's next token
-        rep = lambda x: jnp.repeat(x, len(shape))  # noqa: E731
-        drawn = sample(jnp.asarray(target[a, b]).reshape(-1, V), *(rep(x) for x in settings), rep(seeds),
-                       pos.reshape(-1)).reshape(S, len(shape))
-        emitted, n, _ = verify_tree_coupled(drawn, jnp.asarray(tokens, jnp.int32), jnp.asarray(parents),
-                                            jnp.full(S, len(shape), jnp.int32))
-        emitted, n = np.asarray(emitted), np.asarray(n)
-        for r in range(S):
-            out[r].extend(emitted[r, :n[r]].tolist())
-    got = np.asarray([r[:len(PREFIX) + 3] for r in out])
-    np.testing.assert_array_equal(got, plain)
 
 
 def test_move_path_kv_puts_the_accepted_path_at_consecutive_positions():

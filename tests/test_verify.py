@@ -19,6 +19,7 @@ from scipy import stats
 
 from engine.sampler import filter_logits, sample
 from engine.spec.verify import sample_draft, verify
+from tests import chi2
 
 ALPHA = 1e-3
 N = 60_000
@@ -53,6 +54,26 @@ def test_power_is_as_stated():
     lam = N * (2 * 0.02) ** 2
     for df, power in [(7, 0.9999), (63, 0.99)]:
         assert stats.ncx2.sf(stats.chi2.isf(ALPHA, df), df, lam) >= power
+
+
+@pytest.mark.parametrize("shape", ["flat", "tail", "filtered"])
+def test_chi2_cells_state_a_power_the_test_reaches(shape):
+    """tests/chi2.py: on 64 cells (a flat joint; a long tail, partly merged; one with zeros, as filters leave),
+    Pearson's test of 5000 samples (a power well below 1, so the check says something) rejects random
+    alternatives at TV 0.05 at least as often as `Cells.power` says (1000 simulated tests each, less 3 standard
+    errors), and the expected distribution itself about ALPHA of the time."""
+    rng = np.random.default_rng(0)
+    probs = {"flat": rng.dirichlet(np.full(64, 20.0)), "tail": rng.dirichlet(np.full(64, 0.6)),
+             "filtered": rng.dirichlet(np.full(64, 2.0)) * (rng.random(64) < 0.5)}[shape]
+    n, trials = 5000, 1000
+    cells = chi2.Cells(probs, n)
+    assert 0.5 < cells.power < 0.99, cells
+    for seed in range(3):
+        wrong = chi2.perturbed(probs, seed=seed).ravel()
+        rejected = np.mean([cells.pvalue(c) < chi2.ALPHA for c in rng.multinomial(n, wrong, trials)])
+        assert rejected >= cells.power - 3 * np.sqrt(cells.power * (1 - cells.power) / trials), (cells, rejected)
+    right = probs / probs.sum()
+    assert np.sum([cells.pvalue(c) < chi2.ALPHA for c in rng.multinomial(n, right, trials)]) <= 6
 
 
 def _draft(draft_logits, seeds, start, settings):

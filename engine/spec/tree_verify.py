@@ -11,41 +11,21 @@ ancestors only (`tree_masks`; the kernels' rule is
 path's KV moves to positions `root + 1, root + 2, ...` (`move_path_kv`), which
 is where the next step expects it.
 
-Two verifiers, both exact (the emitted tokens follow the target's sampling
-distribution, after temperature / top-k / top-p / min-p, as `engine.sampler`
-draws it):
-
-- `verify_tree`, for children drawn i.i.d. from the draft distribution at
-  their parent: multi-candidate speculative sampling (SpecInfer, Miao et al.
-  2024, §4.3, Algorithm 2 and Theorem 4.2). At the current node, children are
-  tried in index order; child x is accepted with probability
-  `min(1, q(x) / p(x))`, and each rejection replaces q by
-  `norm(max(0, q - p))` before the next sibling; when every child is rejected
-  (or at a leaf) the last token is drawn from the current q. Greedy rows follow
-  the child equal to the target's argmax.
-- `verify_tree_coupled`, for deterministic candidate sets (top-k children:
-  Medusa, EAGLE-2): the target's token at each node is drawn exactly as the
-  plain sampler draws the token at that position, and the walk follows the
-  child holding it. With one-hot proposals this is sampling-without-
-  replacement verification (SpecTr, Sun et al. 2023; Sequoia, Chen et al.
-  2024, §3.2: a rejected candidate's mass leaves q and q is renormalised),
-  realised with the sampler's own draws, so the output equals decoding
-  without speculation, seeded rows included.
-
-Randomness is keyed as in `engine.spec.verify`: acceptance uniforms by
-(seed, ACCEPT_STREAM, position, node), the final draw by (seed, position)
-as `engine.sampler.sample`; positions only grow along the emitted sequence,
-so no key is used twice.
+The verify, `verify_tree_coupled`, is exact for any candidate set, and is
+meant for deterministic ones (top-k children: Medusa, EAGLE-2; n-gram and
+suffix trees): the target's token at each node is drawn exactly as the plain
+sampler (`engine.sampler`, after temperature / top-k / top-p / min-p) draws
+the token at that position, and the walk follows the child holding it. With
+one-hot proposals this is sampling-without-replacement verification (SpecTr,
+Sun et al. 2023; Sequoia, Chen et al. 2024, §3.2: a rejected candidate's mass
+leaves q and q is renormalised), realised with the sampler's own draws, so
+the output equals decoding without speculation, seeded rows included.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from engine.sampler import argmax, draw, filter_logits
-from engine.spec.verify import ACCEPT_STREAM
-from model import numerics
 
 MAX_TREE_NODES = 32  # one int32 word of mask bits (pallas_kernels.reference.TREE_WINDOW)
 
@@ -76,17 +56,6 @@ def tree_masks(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jax.lax.bitcast_convert_type(masks, jnp.int32), depth
 
 
-def _keys(seeds: jax.Array, positions: jax.Array, stream: int | None, node: jax.Array | None = None) -> jax.Array:
-    def one(seed, pos, c):
-        k = jax.random.key(seed)
-        if stream is not None:
-            k = jax.random.fold_in(k, stream)
-        k = jax.random.fold_in(k, pos)
-        return k if c is None else jax.random.fold_in(k, c)
-
-    return jax.vmap(one, in_axes=(0, 0, None if node is None else 0))(seeds, positions, node)
-
-
 def _path_tokens(tokens: jax.Array, path: jax.Array, n: jax.Array, final: jax.Array) -> jax.Array:
     """Accepted nodes' tokens, then `final`, then -1: int32 `[S, N]` (N - 1 accepted at most, plus one)."""
     S, N = tokens.shape
@@ -97,66 +66,6 @@ def _path_tokens(tokens: jax.Array, path: jax.Array, n: jax.Array, final: jax.Ar
 
 
 @jax.jit
-def verify_tree(target_logits: jax.Array, draft_probs: jax.Array, tokens: jax.Array, parents: jax.Array,
-                num_nodes: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                seeds: jax.Array, root_positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Multi-candidate speculative sampling over token trees whose children were drawn i.i.d. from the draft.
-
-    Args:
-      target_logits: float32 `[S, N, V]`, the target's logits at each node (for its children's position).
-      draft_probs: float32 `[S, N, V]`, the draft distribution (after the same filtering) each node's
-        children were drawn from; it must give them positive probability. Unused for greedy rows.
-      tokens: int32 `[S, N]`, each node's token (the root's is not read).
-      parents: int32 `[S, N]`, as `tree_masks`.
-      num_nodes: int32 `[S]`, 1..N; nodes past it are ignored (1: an ordinary sampling step).
-      temperature, top_k, top_p, min_p: `[S]`, as `engine.sampler.sample` (temperature 0 = greedy).
-      seeds: uint32 `[S]`.
-      root_positions: int32 `[S]`, the root's position; a node at depth d holds position root + d.
-    Returns:
-      (emitted int32 `[S, N]`: the accepted nodes' tokens then the correction or bonus token, -1 after;
-       num_emitted int32 `[S]`, 1..depth of the deepest node + 1;
-       path int32 `[S, N]`: the accepted nodes in order, -1 after).
-    """
-    S, N, V = target_logits.shape
-    rows = jnp.arange(S)
-    sampled = temperature > 0
-    t = jnp.where(sampled, temperature, 1.0)
-    filtered = filter_logits(target_logits.reshape(S * N, V), jnp.repeat(t, N), jnp.repeat(top_k, N),
-                             jnp.repeat(top_p, N), jnp.repeat(min_p, N)).reshape(S, N, V)
-    target_argmax = argmax(target_logits)  # [S, N]
-    _, depth = tree_masks(parents)
-
-    def visit(c, state):
-        cur, q, rejected, path, n = state
-        child = (parents[:, c] == cur) & (c < num_nodes)
-        x = tokens[:, c]
-        p = draft_probs[rows, cur]  # [S, V]
-        u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(
-            _keys(seeds, root_positions + depth[:, c], ACCEPT_STREAM, jnp.full((S,), c, jnp.int32)))
-        p_x, q_x = p[rows, x], q[rows, x]
-        accept = child & jnp.where(sampled, u * p_x < q_x, x == target_argmax[rows, cur])
-        reject = child & ~accept
-        residual = jnp.maximum(q - p, 0.0)
-        mass = numerics.row_sum(residual)[:, None]
-        # A rejection moves q to the residual (unless rounding left it no mass: q == p, q stays).
-        q = jnp.where((reject & sampled)[:, None] & (mass > 0), residual / jnp.where(mass > 0, mass, 1.0), q)
-        q = jnp.where(accept[:, None], numerics.softmax(filtered[:, c]), q)
-        path = path.at[rows, n].set(jnp.where(accept, c, path[rows, n]))
-        return (jnp.where(accept, c, cur), q, (rejected | reject) & ~accept, path, n + accept)
-
-    q0 = numerics.softmax(filtered[:, 0])
-    init = (jnp.zeros(S, jnp.int32), q0, jnp.zeros(S, bool), jnp.full((S, N), -1, jnp.int32), jnp.zeros(S, jnp.int32))
-    cur, q, rejected, path, n = jax.lax.fori_loop(1, N, visit, init)
-    # The last token: from the residual after a rejection, else (a leaf, or no children) from the node's q,
-    # scored with the filtered logits themselves so the draw is the sampler's, bit for bit.
-    final_pos = root_positions + depth[rows, cur] + 1
-    scores = jnp.where(rejected[:, None], jnp.where(q >= numerics.LOG_MIN, numerics.log(q), -jnp.inf),
-                       filtered[rows, cur])
-    final = jnp.where(sampled, draw(scores, _keys(seeds, final_pos, None)), target_argmax[rows, cur])
-    return _path_tokens(tokens, path, n, final), n + 1, path
-
-
-@jax.jit
 def verify_tree_coupled(target_tokens: jax.Array, tokens: jax.Array, parents: jax.Array,
                         num_nodes: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Tree verify for deterministic candidate sets, coupled to the plain sampler (see the module docstring).
@@ -164,9 +73,14 @@ def verify_tree_coupled(target_tokens: jax.Array, tokens: jax.Array, parents: ja
     Args:
       target_tokens: int32 `[S, N]`, the target's token after each node, drawn as `engine.sampler.sample`
         draws the token at that position (greedy rows: the argmax).
-      tokens, parents, num_nodes: as `verify_tree`.
+      tokens: int32 `[S, N]`, each node's token (the root's is not read).
+      parents: int32 `[S, N]`, as `tree_masks`.
+      num_nodes: int32 `[S]`, 1..N; nodes past it are ignored (1: an ordinary sampling step).
     Returns:
-      as `verify_tree`.
+      (emitted int32 `[S, N]`: the accepted nodes' tokens then the target's token at the last of them (the
+       root when none), -1 after;
+       num_emitted int32 `[S]`, 1..depth of the deepest node + 1;
+       path int32 `[S, N]`: the accepted nodes in order, -1 after).
     """
     S, N = tokens.shape
     rows = jnp.arange(S)
@@ -193,7 +107,7 @@ def move_path_kv(pool: jax.Array, block_tables: jax.Array, root_positions: jax.A
       pool: `[L, P, B, ...]`, any per-slot pool (G, V, draft KV, features).
       block_tables: int32 `[S, M]`.
       root_positions: int32 `[S]` (-1 or a row with no path: nothing moves).
-      path: int32 `[S, N]`, as `verify_tree` returns.
+      path: int32 `[S, N]`, as `verify_tree_coupled` returns.
     Returns:
       the pool, updated (donate it to update in place).
     """
