@@ -94,6 +94,7 @@ def test_greedy_and_logprobs_equal_target_alone_with_chunks_and_prefix_cache(tar
         outs = _run(engine, PROMPTS, greedy)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         for o, w in zip(outs, plain):
+            assert len(o.logprobs) == len(w.logprobs) == len(w.token_ids) == 24
             for a, b in zip(o.logprobs, w.logprobs):
                 assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
     accepted, drafted = sum(o.num_accepted_tokens for o in outs), sum(o.num_draft_tokens for o in outs)

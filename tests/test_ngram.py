@@ -294,6 +294,7 @@ def test_token_trees_greedy_equal_target_alone_and_pack_as_trees(target):
         outs = _run(engine, prompts, greedy)
         assert [o.token_ids for o in outs] == want
         for o, w in zip(outs, plain):  # each emitted token scored at its own node (an ancestors-only view)
+            assert len(o.logprobs) == len(w.logprobs) == len(w.token_ids) == 24
             for a, b in zip(o.logprobs, w.logprobs):
                 assert list(a) == list(b) and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
     assert sum(o.num_accepted_tokens for o in outs) > 0
