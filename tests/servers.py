@@ -2,6 +2,7 @@
 OpenAI-compatible HTTP API on the same worker if asked."""
 
 import asyncio
+import contextlib
 import threading
 
 from engine.serving.server import GenerationServer
@@ -35,9 +36,30 @@ class ServerThread:
         """fn(engine) on the engine thread; `LLM.generate` this way only while no gRPC request runs."""
         return self.run(self.server.worker.call(fn))
 
+    @contextlib.contextmanager
+    def steps_held(self, hold=lambda engine: True):
+        """While inside, the engine runs no step while `hold(engine)` is true (asked on the engine thread before
+        each step); its thread still applies adds, aborts and calls. What a test does meanwhile cannot race the
+        requests' progress."""
+        def install(engine):
+            real = engine.has_unfinished
+            engine.has_unfinished = lambda: real() and not hold(engine)
+
+        self.on_engine(install)
+        try:
+            yield
+        finally:
+            self.on_engine(lambda engine: engine.__dict__.pop("has_unfinished"))
+
     def stop(self):
         self.run(self.server.stop(grace=1))
         if self.http is not None:
             self.run(self.http.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def scheduled(engine) -> list:
+    """The requests the engine's scheduler holds: waiting, running and swapped out."""
+    s = engine.scheduler
+    return [*s.waiting, *s.running, *s.swapped]

@@ -1,11 +1,13 @@
 """`python -m engine.batch` end to end on a tiny random model: formats, errors, order, resume after kills, merge."""
 
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -39,10 +41,15 @@ def llm():
     return LLM("tiny-llama", speculative=None, **LIMITS)
 
 
+def _jsonl(lines) -> str:
+    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+
+
 def _job(tmp_path, lines, *args, name="out.jsonl", check=True, wait=True):
     src = tmp_path / "in.jsonl"
     if lines is not None:
-        src.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+        src.unlink(missing_ok=True)  # a FIFO of `_held_input`
+        src.write_text(_jsonl(lines))
     cmd = [sys.executable, "-m", "engine.batch", f"--input={src}", f"--output={tmp_path / name}", *FLAGS, *args]
     if not wait:
         return subprocess.Popen(cmd, cwd=ROOT, env=_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -170,6 +177,44 @@ def test_mixed_generate_file_equals_llm_generate_and_bad_lines_get_error_records
     assert by_id["req-3"]["error"]["message"].startswith("duplicate id")
 
 
+@contextlib.contextmanager
+def _held_input(tmp_path, lines, first: int | None = None):
+    """The job's input as a FIFO that a thread writes `lines[:first]` (all by default) to and holds open: the
+    job, with no end of input, cannot finish before the test signals it. Calling what this yields writes the
+    rest and closes the FIFO."""
+    path = tmp_path / "in.jsonl"
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    first = len(lines) if first is None else first
+    release = threading.Event()
+
+    def write():
+        try:
+            with open(path, "w") as f:  # once the job opens it
+                f.write(_jsonl(lines[:first]))
+                f.flush()
+                release.wait()
+                f.write(_jsonl(lines[first:]))
+        except BrokenPipeError:  # the job is gone
+            pass
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    try:
+        yield release.set
+    finally:
+        release.set()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a reader for what the job left unread
+        try:
+            while thread.is_alive():
+                with contextlib.suppress(BlockingIOError):
+                    os.read(fd, 1 << 16)
+                thread.join(0.01)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+
 def _kill_when(proc, path, n_records, timeout=300):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -190,9 +235,12 @@ def test_sigkill_three_times_then_resume_equals_an_uninterrupted_run(tmp_path):
     _job(whole, lines, "--max_inflight=8")
     want = [_comparable(r) for r in _records(whole / "out.jsonl")]
     rng = random.Random(7)
-    for n_records in sorted(rng.sample(range(5, 155), 3)):
-        proc = _job(tmp_path, lines, "--max_inflight=8", wait=False)
-        assert _kill_when(proc, tmp_path / "out.jsonl", n_records), "the job ended before the kill"
+    # The input held open, the job cannot end: it waits for more input with up to 8 lines in flight, the records
+    # before them written (152 of these 161), so each count below is reached.
+    for n_records in sorted(rng.sample(range(5, len(lines) - 16), 3)):
+        with _held_input(tmp_path, lines):
+            proc = _job(tmp_path, None, "--max_inflight=8", wait=False)
+            assert _kill_when(proc, tmp_path / "out.jsonl", n_records), "the job ended before the kill"
     with open(tmp_path / "out.jsonl", "ab") as f:
         f.write(b'{"id": "torn')  # as if killed inside a write
     out = _job(tmp_path, lines, "--max_inflight=8")
@@ -205,16 +253,21 @@ def test_sigkill_three_times_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 def test_sigterm_finishes_the_lines_in_flight_and_a_rerun_completes(tmp_path):
     lines = [{"id": i, "prompt": f"number {i}", "max_tokens": 20, "temperature": 0} for i in range(200)]
-    proc = _job(tmp_path, lines, "--max_inflight=16", wait=False)
     path = tmp_path / "out.jsonl"
-    t0 = time.time()
-    while not (path.exists() and path.read_text().count("\n") >= 10) and time.time() - t0 < 300:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
+    # 40 lines until the signal, then one turn's room (16) at most: it cannot admit all 200.
+    with _held_input(tmp_path, lines, first=40) as write_the_rest:
+        proc = _job(tmp_path, None, "--max_inflight=16", wait=False)
+        t0 = time.time()
+        while not (path.exists() and path.read_text().count("\n") >= 10) and proc.poll() is None \
+                and time.time() - t0 < 300:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        write_the_rest()  # a read waiting for input at the signal returns
+        _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr[-2000:]
     first = _records(path)
-    assert 10 <= len(first) < 200 and [r["id"] for r in first] == list(range(len(first)))
+    assert 10 <= len(first) <= 40 + 16 and [r["id"] for r in first] == list(range(len(first)))
+    assert all(r.get("finish_reason") in ("length", "stop") for r in first)  # finished, not aborted
     assert "interrupted" in stderr
     assert _job(tmp_path, lines, "--max_inflight=16").returncode == 0
     assert [r["id"] for r in _records(path)] == list(range(200))
@@ -389,19 +442,23 @@ def test_a_line_past_the_size_limit_is_an_error_record_and_never_held_whole(tmp_
 
 def test_sigterm_gives_lines_in_flight_a_grace_then_leaves_them_for_the_rerun(tmp_path):
     """Issue 53: SIGTERM with every line in flight finished all of them (52 s) and exited 1, not 143. Now
-    the lines in flight get --grace_s, then are aborted unwritten; the job exits 143 and a rerun writes them."""
+    the lines in flight get --grace_s, then are aborted unwritten; the job exits 143 and a rerun writes them.
+    A grace of 0 aborts them whatever the machine's speed (the grace given: the test above)."""
     lines = [{"id": 0, "prompt": "start", "max_tokens": 2, "temperature": 0}] + [
         {"id": i, "prompt": f"number {i}", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
         for i in range(1, 12)]
-    proc = _job(tmp_path, lines, "--max_inflight=64", "--grace_s=0.2", "--unordered", wait=False)
     path = tmp_path / "out.jsonl"
-    t0 = time.time()
-    while not (path.exists() and path.read_text().count("\n") >= 1) and time.time() - t0 < 300:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
+    with _held_input(tmp_path, lines) as end_the_input:
+        # All 12 in flight; once line 0 is written the job waits for input, the other 11 unfinished.
+        proc = _job(tmp_path, None, "--max_inflight=12", "--grace_s=0", "--unordered", wait=False)
+        t0 = time.time()
+        while not (path.exists() and path.read_text().count("\n") >= 1) and proc.poll() is None \
+                and time.time() - t0 < 300:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        end_the_input()
+        _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 143, stderr[-2000:]
-    first = [r["id"] for r in _records(path)]
-    assert 0 in first and len(first) < 12 and "interrupted" in stderr
+    assert [r["id"] for r in _records(path)] == [0] and "interrupted" in stderr
     assert _job(tmp_path, lines, "--max_inflight=64", "--unordered").returncode == 0
     assert sorted(r["id"] for r in _records(path)) == list(range(12))

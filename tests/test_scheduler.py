@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from scheduler.block_manager import BlockManager, NoFreeBlocksError
+from scheduler.block_manager import BlockCopy, BlockManager, NoFreeBlocksError
 from scheduler.packing import bucket_for, pack, power_of_two_buckets, step_buckets, step_shape
 from scheduler.request import FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -91,7 +91,11 @@ def test_copy_on_write_for_shared_partial_block():
     kids = [bm.fork(parent) for _ in range(3)]
     bm.free(parent)
     assert bm.ref_count(p0) == bm.ref_count(p1) == 3 and bm.num_free_blocks == 6
-    assert bm.copy_on_write(kids[0], 3) is not None  # position 3 is in the full shared block p0
+    # Position 3 is in the full shared block p0: a private copy into the free list's head (blocks are handed out
+    # in order: parent took 1 and 2), p1 still shared.
+    assert (p0, p1) == (1, 2) and bm.copy_on_write(kids[0], 3) == BlockCopy(src=p0, dst=3)
+    assert kids[0].block_ids == (3, p1) and bm.ref_count(p0) == 2 and bm.ref_count(3) == 1
+    assert bm.ref_count(p1) == 3 and bm.num_free_blocks == 5
     bm.free(kids[0])
     kids[0] = bm.fork(kids[1])
     c0 = bm.copy_on_write(kids[0], 6)  # writes at 6 go into p1, shared by 3: private copy

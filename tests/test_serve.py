@@ -29,7 +29,7 @@ from engine.serving.client import AsyncClient, Client, generate_request
 from engine import Engine, EngineConfig
 from engine.serving.protos import generate_pb2 as pb
 from engine.serving.server import SERVICE_NAME, Tenants, TLSConfig
-from tests.servers import ServerThread
+from tests.servers import ServerThread, scheduled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "s3cret-token"
@@ -218,28 +218,35 @@ def _with_unknown_fields() -> bytes:
 
 
 def test_bad_requests_fail_clearly_while_a_good_one_completes(server, llm):
-    # Long enough to outlast the bad requests' round trips on a busy machine.
     greedy = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
+    prompt = list(range(20, 60))
 
     async def scenario():
         async with AsyncClient(server.target, auth_token=TOKEN) as c:
-            good = asyncio.create_task(c.generate(list(range(20, 60)), **greedy))
-            errors = []
-            for request, _ in BAD_REQUESTS:
-                errors.append(await _error_of(c.stub.Generate(request, metadata=c.metadata)))
-            raw = c.channel.unary_stream("/jaxspec.v1.Generation/Generate", request_serializer=lambda b: b,
-                                         response_deserializer=pb.GenerateResponse.FromString)
-            errors.append(await _error_of(raw(_with_unknown_fields(), metadata=c.metadata)))
-            assert not good.done()  # the bad ones really ran beside it
-            return await good, errors
+            # No step once the good one has a token, until the bad ones are done: they run beside it.
+            with server.steps_held(lambda e: all(r.output_token_ids for r in scheduled(e))):
+                good = c.stub.Generate(generate_request(prompt, **greedy), metadata=c.metadata)
+                messages = [await good.read()]
+                errors = []
+                for request, _ in BAD_REQUESTS:
+                    errors.append(await _error_of(c.stub.Generate(request, metadata=c.metadata)))
+                raw = c.channel.unary_stream("/jaxspec.v1.Generation/Generate", request_serializer=lambda b: b,
+                                             response_deserializer=pb.GenerateResponse.FromString)
+                errors.append(await _error_of(raw(_with_unknown_fields(), metadata=c.metadata)))
+                assert server.on_engine(lambda e: e.num_requests) == 1  # the good one, in flight
+            while (msg := await good.read()) is not grpc.aio.EOF:
+                messages.append(msg)
+            return messages, errors
 
-    good, errors = asyncio.run(scenario())
+    messages, errors = asyncio.run(scenario())
     expected = [words for _, words in BAD_REQUESTS] + ["unknown fields #16, sampling.#100"]
+    assert len(errors) == len(expected)
     for (code, details), words in zip(errors, expected):
         assert code == grpc.StatusCode.INVALID_ARGUMENT, details
         assert words in details
-    want = _offline(server, llm, [list(range(20, 60))], SamplingParams(**greedy))[0]
-    assert good.token_ids == want.token_ids and good.finish_reason == "length"
+    want = _offline(server, llm, [prompt], SamplingParams(**greedy))[0]
+    assert [t for m in messages for t in m.token_ids] == want.token_ids
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert _free_blocks(server) == llm.engine.blocks.num_usable_blocks
 
 
@@ -486,13 +493,15 @@ def test_speculative_server_reports_acceptance_and_matches_offline():
             assert list(c.model_info().speculation_kinds) == ["draft"]
             prompt = list(range(40, 60))
             kw = dict(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True)
-            got = c.generate(prompt, **kw)
-            off = c.generate(prompt, speculation=False, **kw)
-            capped = c.generate(prompt, speculation=True, num_speculative_tokens=2, **kw)
+            got, off, capped = (list(c.generate_stream(prompt, **extra, **kw)) for extra in (
+                {}, {"speculation": False}, {"speculation": True, "num_speculative_tokens": 2}))
             want = _offline(s, llm, [prompt], SamplingParams(**kw))[0]
-            assert got.token_ids == want.token_ids and got.usage.acceptance_rate == 1.0  # the draft is the target
-            assert not off.usage.HasField("acceptance_rate") and len(off.token_ids) == 12
-            assert capped.usage.acceptance_rate == 1.0 and len(capped.token_ids) == 12
+            # One message per step. The draft is the target, so every draft is accepted: a verify step gives G
+            # tokens and the target's next; the first is the prefill's, the last is cut by max_tokens.
+            assert [t for m in got for t in m.token_ids] == want.token_ids and got[-1].usage.acceptance_rate == 1.0
+            assert [len(m.token_ids) for m in got] == [1, 4, 4, 3]  # the server's G = 3
+            assert not off[-1].usage.HasField("acceptance_rate") and [len(m.token_ids) for m in off] == [1] * 12
+            assert capped[-1].usage.acceptance_rate == 1.0 and [len(m.token_ids) for m in capped] == [1, 3, 3, 3, 2]
     finally:
         s.stop()
 

@@ -19,7 +19,7 @@ from engine import LLM, InvalidRequestError
 from engine.serving.client import AsyncClient, Client, generate_request
 from engine.serving.protos import generate_pb2 as pb
 from engine.serving.server import ServingLimits, Tenants
-from tests.servers import ServerThread
+from tests.servers import ServerThread, scheduled
 
 TOKENS = {"token-a": "alice", "token-b": "bob"}
 LIMITS = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_num_batched_tokens": 64}
@@ -50,18 +50,6 @@ def _idle(server, timeout: float = 10) -> bool:
     return False
 
 
-async def _longest_gap(stream_call) -> tuple[float, list]:
-    """Reads a streaming call to its end; returns the longest wait between messages (s) and the messages."""
-    messages, gap, last = [], 0.0, time.monotonic()
-    async for msg in stream_call:
-        now = time.monotonic()
-        if messages:
-            gap = max(gap, now - last)
-        messages.append(msg)
-        last = now
-    return gap, messages
-
-
 async def _read_rest(call) -> list:
     """The messages of a streaming call after those taken with `read()` (the two APIs do not mix)."""
     out = []
@@ -71,7 +59,7 @@ async def _read_rest(call) -> list:
 
 
 async def _warm_up(c: AsyncClient) -> None:
-    """Compiles the shapes `_long_stream` uses, so that no gap measured is a compilation."""
+    """Compiles the shapes `_long_stream` uses, so that no compilation stalls the engine mid-test."""
     await c.generate(list(range(3, 13)), temperature=0, max_tokens=3, ignore_eos=True)
 
 
@@ -87,22 +75,31 @@ def test_a_request_id_is_a_label_not_a_handle(server):
                 AsyncClient(server.target, auth_token="token-b") as attacker:
             request = generate_request(list(range(3, 13)), temperature=0, max_tokens=120, ignore_eos=True,
                                        request_id="victim-1")
-            victim_call = victim.stub.Generate(request, metadata=victim.metadata)
-            first = await victim_call.read()
-            for _ in range(5):  # the same id, cancelled at once: must not touch the victim's request
-                probe = attacker.stub.Generate(request, metadata=attacker.metadata)
-                await asyncio.sleep(0.002)
-                probe.cancel()
-            # Reusing a live id is not an error either (it would tell a stranger the id is live).
-            other = await attacker.generate(list(range(3, 13)), temperature=0, max_tokens=5, ignore_eos=True,
-                                            request_id="victim-1")
-            return first, await _read_rest(victim_call), other
+            # The engine steps only while some request has fewer than 5 tokens: the victim (120) outlives the
+            # probes' aborts however slowly this test runs.
+            with server.steps_held(lambda e: all(len(r.output_token_ids) >= 5 for r in scheduled(e))):
+                victim_call = victim.stub.Generate(request, metadata=victim.metadata)
+                first = await victim_call.read()
+                probes = []
+                for _ in range(5):  # the same id, cancelled once it runs: must not touch the victim's request
+                    probe = attacker.stub.Generate(request, metadata=attacker.metadata)
+                    probes.append(await probe.read())  # it reached the engine and was stepped
+                    probe.cancel()
+                # Reusing a live id is not an error either (it would tell a stranger the id is live).
+                other = await attacker.generate(list(range(3, 13)), temperature=0, max_tokens=5, ignore_eos=True,
+                                                request_id="victim-1")
+                # Every probe's abort applied: the victim alone is left, unfinished.
+                deadline = time.monotonic() + 60
+                while (n := server.on_engine(lambda e: e.num_requests)) > 1 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert n == 1 and server.server.worker.num_streams == 1
+            return [first, *await _read_rest(victim_call)], probes, other
 
-    first, rest, other = asyncio.run(scenario())
-    messages = [first, *rest]
+    messages, probes, other = asyncio.run(scenario())
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert sum(len(m.token_ids) for m in messages) == 120
     assert {m.request_id for m in messages} == {"victim-1"}
+    assert all(p.request_id == "victim-1" and p.token_ids for p in probes)
     assert other.request_id == "victim-1" and len(other.token_ids) == 5
     assert _idle(server)
 
@@ -150,73 +147,94 @@ def test_tenants_do_not_share_the_prefix_cache(server):
 
 def test_a_large_tokenize_does_not_stall_other_streams(server):
     """Finding 3: a 3.9 MB Tokenize froze every stream for 2.5 s. Over the limit it is refused before any
-    work; on a server whose limit admits it, it runs off the event loop while a stream goes on."""
-    text = "the quick brown fox " * (4_000_000 // 20)  # 4 MB: about 2 s of tokenizing on this CPU
+    work; on a server whose limit admits it, it runs off the event loop: a whole stream is served while it runs."""
+    text = "the quick brown fox " * (4_000_000 // 20)  # 4 MB
     roomy = ServerThread(LLM("tiny-llama", **LIMITS), limits=ServingLimits(max_request_bytes=8 << 20))
+    tokenizer, beside = roomy.server.tokenizer, []
+
+    def encode(s, real=tokenizer.encode):
+        if len(s) == len(text):  # the large Tokenize: a stream from start to end before it returns
+            with Client(roomy.target) as c:  # on the event loop, this would wait out its deadline
+                beside.extend(c.generate_stream(list(range(3, 13)), temperature=0, max_tokens=24, ignore_eos=True,
+                                                timeout=60))
+        return real(s)
 
     async def scenario():
         async with AsyncClient(server.target, auth_token="token-a") as c:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await c.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=c.metadata)
         async with AsyncClient(roomy.target) as c:
-            await _warm_up(c)
-            stream = asyncio.ensure_future(_longest_gap(_long_stream(c, max_tokens=240)))
-            await asyncio.sleep(0.1)
-            t = time.monotonic()
             ids = (await c.stub.Tokenize(pb.TokenizeRequest(text=text), metadata=c.metadata)).token_ids
-            return refused.value, len(ids), time.monotonic() - t, await stream
+            return refused.value, len(ids)
 
+    tokenizer.encode = encode
     try:
-        refused, n_ids, took, (gap, messages) = asyncio.run(scenario())
+        refused, n_ids = asyncio.run(scenario())
     finally:
         roomy.stop()
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max_request_bytes" in refused.details()
-    assert n_ids == len(text) and took > 0.5  # byte-level test tokenizer; longer than the gap allowed below
-    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert gap < 0.5, f"a stream waited {gap:.2f} s for a message"
+    assert n_ids == len(text)  # byte-level test tokenizer
+    assert beside[-1].finish_reason == pb.FINISH_REASON_LENGTH and sum(len(m.token_ids) for m in beside) == 24
 
 
 def test_a_huge_chat_is_refused_before_templating(server):
+    tokenizer, templated = server.server.tokenizer, []
+
+    def apply_chat_template(messages, *args, real=tokenizer.apply_chat_template, **kwargs):
+        templated.append(len(messages))
+        return real(messages, *args, **kwargs)
+
+    tokenizer.apply_chat_template = apply_chat_template
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")] * 300_000)
-    with Client(server.target, auth_token="token-a") as c:
-        t = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            c.stub.Tokenize(pb.TokenizeRequest(chat=chat), metadata=c.metadata)
-        assert time.monotonic() - t < 2
+    try:
+        with Client(server.target, auth_token="token-a") as c:
+            with pytest.raises(grpc.RpcError) as e:
+                c.stub.Tokenize(pb.TokenizeRequest(chat=chat), metadata=c.metadata)
+            assert templated == []
+            c.stub.Tokenize(pb.TokenizeRequest(chat=pb.ChatMessages(messages=chat.messages[:2])), metadata=c.metadata)
+    finally:
+        del tokenizer.apply_chat_template
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in e.value.details()
+    assert templated == [2]  # what the counter sees of a chat that is templated
 
 
 def test_a_cancelled_score_stops_and_does_not_hold_up_streams(server):
-    """Finding 4: a Score went on after its deadline and held the engine thread (a stream got nothing for 87 s)."""
+    """Finding 4: a Score went on after its deadline and held the engine thread (a stream got nothing for 87 s).
+    Now the engine thread takes one chunk of it per turn, between the stream's steps, and drops it at the
+    deadline."""
     inputs = [pb.ScoreInput(token_ids=pb.TokenIds(ids=[(7 * i + j) % 250 + 3 for j in range(250)]))
-              for i in range(400)]  # 400 x 250 tokens: many seconds of scoring at 5 ms a chunk (below)
+              for i in range(50)]  # 200 chunks of at most 64 tokens: 8 s at 40 ms a chunk (below), far past 1 s
+    work = []  # what the engine thread ran, in order: "s" a step, "c" a chunk of Score
 
-    def slow_scoring(engine):
-        engine.score_chunks = lambda jobs, real=engine.score_chunks: (time.sleep(0.005), real(jobs))[1]
+    def instrument(engine):
+        engine.step = lambda real=engine.step: (work.append("s"), real())[1]
+        engine.score_chunks = lambda jobs, real=engine.score_chunks: (work.append("c"), time.sleep(0.04),
+                                                                      real(jobs))[2]
 
     async def scenario():
         async with AsyncClient(server.target, auth_token="token-a") as c:
             await _warm_up(c)
             await c.stub.Score(pb.ScoreRequest(inputs=inputs[:1]), metadata=c.metadata)  # compiles its chunk shapes
-            stream = asyncio.ensure_future(_longest_gap(_long_stream(c, max_tokens=200)))
-            await asyncio.sleep(0.1)
-            t = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await c.stub.Score(pb.ScoreRequest(inputs=inputs), metadata=c.metadata, timeout=1.0)
-            deadline_at = time.monotonic() - t
-            return e.value, deadline_at, await stream
+            server.on_engine(instrument)
+            # After its first token the stream waits for the Score's first chunk: the two overlap.
+            with server.steps_held(lambda e: "c" not in work and all(r.output_token_ids for r in scheduled(e))):
+                call = _long_stream(c, max_tokens=200)
+                first = await call.read()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await c.stub.Score(pb.ScoreRequest(inputs=inputs), metadata=c.metadata, timeout=1.0)
+            return e.value, [first, *await _read_rest(call)]
 
-    server.on_engine(slow_scoring)
     try:
-        error, deadline_at, (gap, messages) = asyncio.run(scenario())
+        error, messages = asyncio.run(scenario())
+        assert _idle(server, timeout=60), "the cancelled Score still holds the engine"
     finally:
-        server.on_engine(lambda engine: engine.__dict__.pop("score_chunks"))
-    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline_at < 3
+        server.on_engine(lambda engine: [engine.__dict__.pop(k, None) for k in ("step", "score_chunks")])
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert work.count("c") < 4 * len(inputs), "the Score ran to its end"
     assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert gap < 2, f"a stream waited {gap:.2f} s while a Score ran"
-    t = time.monotonic()
-    assert _idle(server, timeout=2), "the cancelled Score still holds the engine"
-    assert time.monotonic() - t < 1
+    assert sum(len(m.token_ids) for m in messages) == 200
+    live = "".join(work[:"".join(work).rindex("s")])  # while the stream ran
+    assert "csc" in live and "cc" not in live, live  # one chunk per turn, a step between
 
 
 def test_score_limits(server):

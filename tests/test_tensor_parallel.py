@@ -3,6 +3,7 @@
 Each check runs in a subprocess: the host device count is fixed when jax starts its CPU backend.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -256,18 +257,18 @@ def test_two_processes_with_two_devices_each_match_one_process():
             out["mismatch"] = str(e)
         print(json.dumps(out), flush=True)
     """)
-    port = _free_port()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 250, n).tolist() for n in (5, 23, 40, 2)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, "-c", f"PID = {i}\nPORT = {port}\nPROMPTS = {prompts!r}\n" + code],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
     results = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0, stderr[-3000:]
-        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    with _held_port() as port:
+        procs = [subprocess.Popen([sys.executable, "-c", f"PID = {i}\nPORT = {port}\nPROMPTS = {prompts!r}\n" + code],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=900)
+            assert p.returncode == 0, stderr[-3000:]
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
     llm = LLM("tiny-llama", speculative=None, num_blocks=64, max_num_batched_tokens=32, max_num_seqs=4)
     want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0))]
     for r in results:
@@ -300,21 +301,33 @@ def test_llama_3_70b_step_over_8_devices_lowers_for_cuda_and_holds_the_planned_b
     assert f"tensor<{cfg.num_layers}x{num_blocks}x16x1x{D}xbf16>" in text  # one device's share of the pool
 
 
-def _free_port() -> int:
-    """A loopback port nothing listens on (for a coordinator)."""
+@contextlib.contextmanager
+def _held_port():
+    """A loopback port for a coordinator that a subprocess starts, held from choice to use: bound here with
+    SO_REUSEPORT (as gRPC's servers, jax's coordinator among them, bind theirs) and never listening, until the
+    block ends. Nothing else can take it in between, as with a port found free and closed before the use."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
-def _two_processes(args: list[str], own: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
-    """`python -m <args> <own[i]>` as process i of two (loopback coordinator), 2 CPU devices each."""
-    port = _free_port()
+@contextlib.contextmanager
+def _two_processes(args: list[str], own: tuple[list[str], list[str]] = ([], [])):
+    """`python -m <args> <own[i]>` as process i of two (loopback coordinator on a held port), 2 CPU devices
+    each; those still running when the block ends are killed."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return [subprocess.Popen([sys.executable, "-m", *args, *own[i], "--tensor_parallel_size=4", "--num_processes=2",
-                              f"--process_id={i}", f"--coordinator_address=127.0.0.1:{port}"],
-                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    with _held_port() as port:
+        procs = [subprocess.Popen([sys.executable, "-m", *args, *own[i], "--tensor_parallel_size=4",
+                                   "--num_processes=2", f"--process_id={i}", f"--coordinator_address=127.0.0.1:{port}"],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        try:
+            yield procs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
 
 def _first_line(proc: subprocess.Popen, prefix: str) -> str:
@@ -339,9 +352,8 @@ def test_grpc_server_over_two_processes_serves_from_process_0():
     from engine.distributed import HEARTBEAT_S
     from engine.serving.client import Client
 
-    procs = _two_processes(["engine.serve", *TINY_FLAGS, "--port=0", "--metrics_port=-1", "--noprecompile",
-                            "--grace_s=1"])
-    try:
+    with _two_processes(["engine.serve", *TINY_FLAGS, "--port=0", "--metrics_port=-1", "--noprecompile",
+                         "--grace_s=1"]) as procs:
         line, follower = _first_line(procs[0], "serving "), _first_line(procs[1], "following ")
         assert line.startswith("serving tiny-llama on 127.0.0.1:"), line
         assert follower == "following process 0 (process 1 of 2)\n", follower
@@ -369,10 +381,6 @@ def test_grpc_server_over_two_processes_serves_from_process_0():
         procs[0].send_signal(signal.SIGTERM)
         for p in procs:
             assert p.wait(timeout=60) == 0, p.stderr.read()[-3000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 def test_batch_job_over_two_processes_writes_what_one_process_writes(tmp_path):
@@ -384,9 +392,9 @@ def test_batch_job_over_two_processes_writes_what_one_process_writes(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     flags = [*TINY_FLAGS, "--max_num_batched_tokens=128", "--num_blocks=256", "--max_model_len=256"]
-    procs = _two_processes(["engine.batch", *flags, f"--output={tmp_path / 'two.jsonl'}", "--max_inflight=16"],
-                           own=([f"--input={src}"], [f"--input={tmp_path / 'not-here.jsonl'}"]))
-    outs = [p.communicate(timeout=900) for p in procs]
+    with _two_processes(["engine.batch", *flags, f"--output={tmp_path / 'two.jsonl'}", "--max_inflight=16"],
+                        own=([f"--input={src}"], [f"--input={tmp_path / 'not-here.jsonl'}"])) as procs:
+        outs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [1, 1], outs[0][1][-3000:] + outs[1][1][-3000:]  # some lines failed
     one = subprocess.run([sys.executable, "-m", "engine.batch", *flags, f"--input={src}",
                           f"--output={tmp_path / 'one.jsonl'}", "--max_inflight=16"],
