@@ -8,6 +8,7 @@ items. Tiny random-weight model, servers in this process (`tests.servers`).
 
 import asyncio
 import struct
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -356,29 +357,38 @@ def test_draining_is_visible_and_calls_in_flight_finish():
     UNAVAILABLE saying why, and the stream in flight runs to its last token."""
     llm = LLM("tiny-llama", **LIMITS)
     s = ServerThread(llm)
-    seen = {}
+    seen, checked = {}, threading.Event()
 
     async def scenario():
         async with AsyncClient(s.target) as c:
             call = _long_stream(c, max_tokens=60)
             first = await call.read()
             stopping = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(s.server.stop(grace=30), s.loop))
-            await asyncio.sleep(0.1)
+            for _ in range(1000):  # draining begins (health turned first) within 10 s
+                if s.server._servicer.draining:
+                    break
+                await asyncio.sleep(0.01)
             with Client(s.target) as sync:
                 seen["health"] = await asyncio.to_thread(sync.health)
                 try:
                     await asyncio.to_thread(sync.generate, [5, 6, 7], max_tokens=2)
                 except grpc.RpcError as e:
                     seen["new call"] = (e.code(), e.details())
+            checked.set()
             rest = await _read_rest(call)
             await stopping
             return [first, *rest]
 
-    original_step = llm.engine.step
-    llm.engine.step = lambda: (time.sleep(0.02), original_step())[1]  # 60 tokens outlast the checks above
+    def step(real=llm.engine.step):  # the stream in flight waits after its first token until the checks are done
+        if any(r.output_token_ids for r in scheduled(llm.engine)):
+            checked.wait(60)
+        return real()
+
+    llm.engine.step = step
     try:
         messages = asyncio.run(scenario())
     finally:
+        checked.set()
         del llm.engine.step
         s.loop.call_soon_threadsafe(s.loop.stop)
         s.thread.join(10)
@@ -460,15 +470,21 @@ def test_stop_strings_have_limits_the_server_reports(server):
         info = c.model_info()
         assert (info.max_stop_strings, info.max_stop_chars) == (16, 256)
         assert (info.num_speculative_tokens, info.num_tree_nodes) == (0, 0)
-        for stop, message in (([f"s{i:06d}" for i in range(60_000)], "at most max_stop_strings=16"),
-                              (["x" * 900_000], "at most max_stop_chars=256")):
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as e:
-                c.generate([5, 6, 7], max_tokens=2, stop=stop)
-            assert time.monotonic() - t0 < 1.0
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
-        stops = [f"stop{i}" for i in range(16)]
-        assert c.generate([5, 6, 7], max_tokens=2, stop=stops, ignore_eos=True).finish_reason is not None
+        added = []  # requests the scheduler took: a refused one never runs a step
+        server.on_engine(lambda e: setattr(e.scheduler, "add", lambda r, real=e.scheduler.add: (added.append(r),
+                                                                                             real(r))[1]))
+        try:
+            for stop, message in (([f"s{i:06d}" for i in range(60_000)], "at most max_stop_strings=16"),
+                                  (["x" * 900_000], "at most max_stop_chars=256")):
+                with pytest.raises(grpc.RpcError) as e:
+                    c.generate([5, 6, 7], max_tokens=2, stop=stop)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.details()
+            assert added == []
+            stops = [f"stop{i}" for i in range(16)]
+            assert c.generate([5, 6, 7], max_tokens=2, stop=stops, ignore_eos=True).finish_reason is not None
+            assert len(added) == 1  # the counter sees requests that run
+        finally:
+            server.on_engine(lambda e: e.scheduler.__dict__.pop("add"))
 
 
 def test_a_score_call_is_checked_whole_before_any_input_is_scored(server, llm):
