@@ -498,10 +498,8 @@ def test_a_score_call_is_checked_whole_before_any_input_is_scored(server, llm):
     server.on_engine(count_scores)
     try:
         with Client(server.target, auth_token="token-a") as c:
-            t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:
                 c.score([list(range(3, 200)), [5, 6, 999]])
-            assert time.monotonic() - t0 < 0.5
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "inputs[1]: token ids must be in [0, 256)" in e.value.details()
             assert scored == []
