@@ -15,12 +15,15 @@ def llm():
     return LLM("tiny-llama", num_blocks=48, block_size=16, max_num_seqs=8, max_num_batched_tokens=32)
 
 
-def _dense_log_softmax(llm, ids: list[int]) -> np.ndarray:
-    """float64 `[n, V]` log-softmax of the unpaged forward's logits at every position of `ids`."""
-    graphdef = llm.engine.runner.graphdef
-    logits = jax.jit(lambda st, x: nnx.merge(graphdef, st).dense_logits(x[None])[0])(
-        llm.engine.runner.state.state(), jnp.asarray(ids, jnp.int32))
-    x = np.asarray(logits, np.float64)
+_dense_logits = jax.jit(lambda graphdef, st, x: nnx.merge(graphdef, st).dense_logits(x[None])[0], static_argnums=0)
+
+
+def dense_log_softmax(engine, ids: list[int], width: int = 128) -> np.ndarray:
+    """float64 `[n, V]` log-softmax of `engine`'s unpaged forward logits at every position of `ids` (n <= width;
+    right padding to `width` leaves causal logits unchanged: one compiled shape)."""
+    logits = _dense_logits(engine.runner.graphdef, engine.runner.state.state(),
+                           jnp.asarray(ids + [0] * (width - len(ids)), jnp.int32))
+    x = np.asarray(logits, np.float64)[:len(ids)]
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
@@ -32,7 +35,7 @@ def test_generated_logprobs_match_dense_log_softmax(llm):
                                                                        ignore_eos=True)])
     assert plain.logprobs is None and plain.token_ids == out.token_ids  # asking changes no token
     assert len(out.logprobs) == 6
-    ref = _dense_log_softmax(llm, prompt + out.token_ids)
+    ref = dense_log_softmax(llm.engine, prompt + out.token_ids)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         row = ref[len(prompt) - 1 + i]
         top5 = np.argsort(-row)[:5].tolist()
@@ -45,7 +48,7 @@ def test_generated_logprobs_match_dense_log_softmax(llm):
 def test_logprobs_zero_gives_the_sampled_token_only_and_bounds_are_checked(llm):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0))[0]
     assert [list(e) for e in out.logprobs] == [[t] for t in out.token_ids]
-    ref = _dense_log_softmax(llm, [5, 6, 7] + out.token_ids)
+    ref = dense_log_softmax(llm.engine, [5, 6, 7] + out.token_ids)
     assert out.logprobs[0][out.token_ids[0]] == pytest.approx(ref[2].max(), abs=1e-4)  # greedy: the argmax
     for bad in (-1, MAX_LOGPROBS + 1, 2.0):
         with pytest.raises(InvalidRequestError, match="logprobs"):
@@ -58,7 +61,7 @@ def test_score_matches_dense_log_softmax_across_chunks(llm):
     ids = rng.integers(3, 256, 70).tolist()
     free = llm.engine.blocks.num_free_blocks
     text_out, ids_out = llm.score(["hello world", ids])
-    ref = _dense_log_softmax(llm, ids)
+    ref = dense_log_softmax(llm.engine, ids)
     expected = ref[np.arange(69), ids[1:]]
     assert ids_out.token_ids == ids
     np.testing.assert_allclose(ids_out.token_logprobs, expected, atol=1e-4)

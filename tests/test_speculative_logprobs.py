@@ -5,16 +5,15 @@ log-softmax of the dense forward (tolerance 1e-4: float32 sums over at most 256 
 against the plain engine; every output's logprobs have one entry per token."""
 
 import dataclasses
+import functools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec.config import SpeculationConfig
 from tests.test_eagle import _head, _target
+from tests.test_logprobs_score import dense_log_softmax
 from tests.test_medusa import _heads
 from tests.test_speculative import _perturbed, _run
 
@@ -71,16 +70,7 @@ def plain(target):
 @pytest.fixture(scope="module")
 def dense(plain):
     """`dense(ids)`: float64 `[len(ids), V]` log-softmax of the unpaged forward at every position of `ids`."""
-    runner = plain[0].runner
-    width = 128  # right padding leaves causal logits unchanged: one compiled shape
-    logits_fn = jax.jit(lambda st, x: nnx.merge(runner.graphdef, st).dense_logits(x[None])[0])
-
-    def log_softmax(ids: list[int]) -> np.ndarray:
-        x = np.asarray(logits_fn(runner.state.state(), jnp.asarray(ids + [0] * (width - len(ids)), jnp.int32)),
-                       np.float64)[:len(ids)]
-        m = x.max(-1, keepdims=True)
-        return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
-    return log_softmax
+    return functools.partial(dense_log_softmax, plain[0])
 
 
 def _check(outs, want, dense) -> None:
