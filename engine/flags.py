@@ -73,6 +73,22 @@ flags.DEFINE_integer("max_stop_chars", 256, "Most characters per stop string (a 
                      "its longest).")
 
 
+def llm_kwargs() -> dict:
+    """The `engine.LLM` keyword arguments the model, kernel, speculation and engine-limit flags give (no
+    process setup: `llm_from_flags` does that; the Ray runner's actors build their own `LLM` from these)."""
+    return dict(model=FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,
+                kernel_dtype=FLAGS.kernel_dtype, draft_kernel_dtype=FLAGS.draft_kernel_dtype,
+                speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
+                draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
+                num_tree_nodes=FLAGS.num_tree_nodes, tree_branching=FLAGS.tree_branching,
+                ngram_in_tree=FLAGS.ngram_in_tree, suffix_cache_tokens=FLAGS.suffix_cache_tokens,
+                block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
+                max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size,
+                async_scheduling=FLAGS.async_scheduling, max_stop_strings=FLAGS.max_stop_strings,
+                max_stop_chars=FLAGS.max_stop_chars)
+
+
 def llm_from_flags():
     """The `engine.LLM` the flags describe.
 
@@ -95,14 +111,4 @@ def llm_from_flags():
         use_persistent_cache(None if FLAGS.compilation_cache_dir == "default" else FLAGS.compilation_cache_dir)
     from engine import LLM  # after flag parsing: the jax import is slow
 
-    return LLM(FLAGS.model, dtype=FLAGS.dtype, attention=FLAGS.attention, matmul=FLAGS.matmul,
-               kernel_dtype=FLAGS.kernel_dtype, draft_kernel_dtype=FLAGS.draft_kernel_dtype,
-               speculative=None if FLAGS.speculative == "off" else FLAGS.speculative,
-               draft_model=FLAGS.draft_model, num_speculative_tokens=FLAGS.num_speculative_tokens,
-               num_tree_nodes=FLAGS.num_tree_nodes, tree_branching=FLAGS.tree_branching,
-               ngram_in_tree=FLAGS.ngram_in_tree, suffix_cache_tokens=FLAGS.suffix_cache_tokens,
-               block_size=FLAGS.block_size, num_blocks=FLAGS.num_blocks, kv_cache_bytes=FLAGS.kv_cache_bytes,
-               max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-               max_model_len=FLAGS.max_model_len, tensor_parallel_size=FLAGS.tensor_parallel_size,
-               async_scheduling=FLAGS.async_scheduling, max_stop_strings=FLAGS.max_stop_strings,
-               max_stop_chars=FLAGS.max_stop_chars)
+    return LLM(**llm_kwargs())

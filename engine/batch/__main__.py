@@ -33,6 +33,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from absl import app, flags, logging
 
@@ -54,6 +55,17 @@ flags.DEFINE_integer("data_parallel_size", 1, "Run this many shard workers on th
                      "its own device group (GPU i, or a slice of the CPU cores), then merge their outputs.")
 flags.DEFINE_integer("max_line_bytes", 1 << 20, "Longest input line in bytes: a longer one gets an error record "
                      "without being parsed or tokenized.")
+flags.DEFINE_enum("runner", "local", ["local", "ray"], "local: this process (or --data_parallel_size workers); "
+                  "ray: an actor pool on the Ray cluster `ray.init()` finds (a local one when there is none), "
+                  "one engine per actor (pip install -e '.[ray]'; docs/batch.md).")
+flags.DEFINE_string("ray_address", None, "--runner=ray: the cluster to join (ray.init's address; default "
+                    "$RAY_ADDRESS, else a running local cluster, else a new one).")
+flags.DEFINE_integer("ray_actors", 1, "--runner=ray: engine actors (each holds one model).")
+flags.DEFINE_float("ray_cpus_per_actor", 1.0, "--runner=ray: CPUs each actor reserves (on a CPU host, the cores "
+                   "its kernels run on).")
+flags.DEFINE_float("ray_gpus_per_actor", 0.0, "--runner=ray: GPUs each actor reserves.")
+flags.DEFINE_integer("ray_batch_lines", 256, "--runner=ray: lines per block handed to an actor (it runs a block "
+                     "to the end, continuously batched; a dead actor's block is retried whole).")
 flags.DEFINE_list("merge", None, "Shard outputs, in shard order, to join into --output in --input order "
                   "(nothing is generated).")
 
@@ -93,6 +105,8 @@ def main(argv):
     if not FLAGS.input or not FLAGS.output:
         return _fail_usage("--input and --output are required")
     lead = FLAGS.process_id == 0  # the process that reads and writes the files
+    if FLAGS.runner == "ray":
+        return _ray()
     if lead and not os.path.exists(FLAGS.input):
         return _fail_usage(f"no input file {FLAGS.input}")
     from engine.batch.io import Discard, OutputError, Resume, Writer, read_lines, read_resume
@@ -166,6 +180,81 @@ def main(argv):
     else:
         print(summary.line(), file=sys.stderr)
     if FLAGS.summary_json and lead:
+        with open(FLAGS.summary_json, "w") as f:
+            json.dump(summary.as_dict(), f, indent=2)
+    if summary.interrupted:
+        return EXIT_STOPPED
+    return EXIT_FAILED_LINES if summary.lines_failed or resume.done_lines else 0
+
+
+def _ray() -> int:
+    """Runs the job on a Ray cluster (`engine.batch.ray_runner`): same records, in input order; resumes a local
+    output as the local job does."""
+    if FLAGS.num_shards != 1 or FLAGS.data_parallel_size != 1 or FLAGS.merge or FLAGS.num_processes > 1 or \
+            FLAGS.unordered:
+        return _fail_usage("--runner=ray spreads the lines over its actors itself, in input order (no --num_shards, "
+                           "--data_parallel_size, --merge, --num_processes or --unordered)")
+    for name in ("ray_actors", "ray_batch_lines", "max_inflight", "max_line_bytes"):
+        if FLAGS[name].value < 1:
+            return _fail_usage(f"--{name} must be >= 1")
+    if FLAGS.ray_cpus_per_actor < 0 or FLAGS.ray_gpus_per_actor < 0:
+        return _fail_usage("--ray_cpus_per_actor and --ray_gpus_per_actor must be >= 0")
+    try:
+        import ray
+
+        from engine.batch import ray_runner
+    except ImportError as e:
+        return _fail_usage(f"--runner=ray needs Ray Data ({e}): pip install -e '.[ray]'")
+    from engine.batch.io import Resume, read_resume
+    from engine.batch.job import Summary
+    from engine.flags import llm_kwargs
+
+    local_output = "://" not in FLAGS.output
+    if "://" not in FLAGS.input and os.path.abspath(FLAGS.input) == os.path.abspath(FLAGS.output):
+        return _fail_usage("--output must not be the input file")
+    try:
+        if not ray_runner.input_exists(FLAGS.input):
+            return _fail_usage(f"no input file {FLAGS.input}")
+    except (OSError, ValueError) as e:
+        return _fail_usage(f"--input {FLAGS.input}: {e}")
+    problem = _output_problem(FLAGS.output, resuming=not FLAGS.overwrite) if local_output else None
+    if problem:
+        return _fail_usage(problem, EXIT_IO)
+    try:
+        resume = read_resume(FLAGS.output) if local_output and not FLAGS.overwrite else Resume()
+    except ValueError as e:
+        return _fail_usage(str(e))
+    if resume.num_records:
+        print(f"resuming: {resume.num_records} records in {FLAGS.output}"
+              + (f" (cut a torn last line of {resume.torn_bytes} bytes)" if resume.torn_bytes else ""),
+              file=sys.stderr)
+    options = ray_runner.RayOptions(FLAGS.ray_actors, FLAGS.ray_cpus_per_actor, FLAGS.ray_gpus_per_actor,
+                                    FLAGS.ray_batch_lines)
+    ray.init(address=FLAGS.ray_address, logging_level="warning", configure_logging=True)
+    ds = ray_runner.dataset(FLAGS.input, resume, options, llm_kwargs(), FLAGS.mode, FLAGS.max_inflight,
+                            FLAGS.score_stride, FLAGS.model, FLAGS.max_line_bytes, FLAGS.compilation_cache_dir)
+    summary = Summary(lines_skipped=resume.num_records)
+
+    def stop(signum, frame):  # the records written stay, in order; a rerun resumes after them
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    t0 = time.perf_counter()
+    try:
+        out = ray_runner.open_output(FLAGS.output, append=local_output and not FLAGS.overwrite)
+    except OSError as e:
+        return _fail_usage(f"--output {FLAGS.output} cannot be written: {e}", EXIT_IO)
+    try:
+        with out:
+            ray_runner.run(ds, out, summary)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    except OSError as e:
+        return _fail_usage(f"writing {FLAGS.output}: {e}; the records written are safe in it: make room and rerun "
+                           "the same command to resume", EXIT_IO)
+    summary.wall_s = time.perf_counter() - t0
+    print(summary.line(), file=sys.stderr)
+    if FLAGS.summary_json:
         with open(FLAGS.summary_json, "w") as f:
             json.dump(summary.as_dict(), f, indent=2)
     if summary.interrupted:

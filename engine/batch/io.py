@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 from engine.batch.formats import decode, duplicate_id_message, error_record, line_key, record_key, record_line
 
@@ -74,25 +74,31 @@ def read_lines(path: str, num_shards: int = 1, shard_index: int = 0,
     Shard `i` of `n` takes lines `i + 1, i + 1 + n, ...`. A line longer than
     `max_line_bytes` yields text None: it is read past in pieces, never held whole.
     """
-    limit = -1 if max_line_bytes is None else max_line_bytes + 1
     with open(path, "rb") as f:
-        offset, n = 0, 0
-        while raw := f.readline(limit):
-            n += 1
-            offset += len(raw)
-            too_long = len(raw) == limit and not raw.endswith(b"\n")
-            while too_long and (rest := f.readline(1 << 20)):
-                offset += len(rest)
-                if rest.endswith(b"\n"):
-                    break
-            if (n - 1) % num_shards != shard_index:
-                continue
-            if too_long:
-                yield n, None, offset
-                continue
-            text = raw.decode("utf-8", errors="replace")
-            if text.strip():
-                yield n, text, offset
+        yield from iter_lines(f, num_shards, shard_index, max_line_bytes)
+
+
+def iter_lines(f: BinaryIO, num_shards: int = 1, shard_index: int = 0,
+               max_line_bytes: int | None = None) -> Iterator[tuple[int, str | None, int]]:
+    """`read_lines` over an open binary file (any object with `readline(size)`)."""
+    limit = -1 if max_line_bytes is None else max_line_bytes + 1
+    offset, n = 0, 0
+    while raw := f.readline(limit):
+        n += 1
+        offset += len(raw)
+        too_long = len(raw) == limit and not raw.endswith(b"\n")
+        while too_long and (rest := f.readline(1 << 20)):
+            offset += len(rest)
+            if rest.endswith(b"\n"):
+                break
+        if (n - 1) % num_shards != shard_index:
+            continue
+        if too_long:
+            yield n, None, offset
+            continue
+        text = raw.decode("utf-8", errors="replace")
+        if text.strip():
+            yield n, text, offset
 
 
 class OutputError(OSError):

@@ -146,6 +146,7 @@ class BatchJob:
         self._generating: dict[str, _Generation] = {}
         self._scoring: deque[_Scoring] = deque()
         self._claimed: set = set()
+        self.duplicates: set[int] = set()  # lines known to repeat an id of a line another process admitted
         self._seq = 0
 
     # ---- admission -----------------------------------------------------------------------
@@ -177,7 +178,7 @@ class BatchJob:
             self.summary.lines_skipped += 1
             return
         seq = self._next_seq()
-        if key is not None and key in self._claimed:
+        if line in self.duplicates or (key is not None and key in self._claimed):
             self._fail(seq, line, key, duplicate_id_message(key), openai)
             return
         self._claimed.add(key)
