@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import io
 import os
-from typing import Iterator
-
 import pyarrow as pa
 import ray
-from ray.data.datasource.file_based_datasource import FileBasedDatasource
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from engine.batch.formats import decode, line_key
 from engine.batch.io import Resume, iter_lines, record_text
@@ -42,40 +42,105 @@ STATS = ("lines_ok", "lines_failed", "prompt_tokens", "cached_tokens", "generate
 _CORE_LOCKS = "/tmp/jax-spec-engine-ray-cores"
 
 
-class JsonlLines(FileBasedDatasource):
-    """One JSONL file as blocks of (line, text, duplicate) rows, in file order, streaming.
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """A byte range of the input holding one block's lines: `first_line` is the number of the line before it."""
+
+    start: int
+    end: int
+    first_line: int
+    num_rows: int
+    skip: frozenset  # lines an earlier run wrote (resume)
+    duplicates: frozenset  # lines whose id an earlier line claimed
+
+
+class JsonlLines(Datasource):
+    """One JSONL file as blocks of `lines_per_block` (line, text, duplicate) rows, one read task per block.
 
     `line` is the 1-based line number, `text` None for a line longer than
     `max_line_bytes` (read past, never held whole: `engine.batch.io.iter_lines`),
     `duplicate` true where the line's id was claimed by an earlier line. Lines
     that `resume` says were written are left out, and claim their ids, exactly
-    as `BatchJob` skips them.
+    as `BatchJob` skips them. Finding the blocks' byte ranges, duplicates and
+    skips takes one sequential pass over the file here (ids are claimed in file
+    order); the read tasks then read their ranges independently.
     """
 
     def __init__(self, path: str, max_line_bytes: int, lines_per_block: int, resume: Resume):
-        super().__init__(path)
-        self.max_line_bytes = max_line_bytes
-        self.lines_per_block = lines_per_block
-        self.resume = resume
-
-    def _read_stream(self, f, path: str) -> Iterator[pa.Table]:
+        super().__init__()
+        self.path, self.max_line_bytes = path, max_line_bytes
+        self.chunks: list[_Chunk] = []
         claimed: set = set()
-        rows: dict[str, list] = {"line": [], "text": [], "duplicate": []}
-        for line, text, _ in iter_lines(io.BufferedReader(f), max_line_bytes=self.max_line_bytes):
-            key = None if text is None else line_key(decode(text))[0]
-            if line in self.resume.done_lines or (key is not None and key in self.resume.done_keys
-                                                  and key not in claimed):
+        start = before = rows = 0
+        skip, duplicates = set(), set()
+        with _open_input(path) as f:
+            for line, text, end in iter_lines(f, max_line_bytes=max_line_bytes):
+                key = None if text is None else line_key(decode(text))[0]
+                if line in resume.done_lines or (key is not None and key in resume.done_keys and key not in claimed):
+                    skip.add(line)
+                else:
+                    rows += 1
+                    if key is not None and key in claimed:
+                        duplicates.add(line)
                 claimed.add(key)
-                continue
-            rows["line"].append(line)
-            rows["text"].append(text)
-            rows["duplicate"].append(key is not None and key in claimed)
-            claimed.add(key)
-            if len(rows["line"]) == self.lines_per_block:
-                yield pa.table(rows)
-                rows = {k: [] for k in rows}
-        if rows["line"]:
-            yield pa.table(rows)
+                if rows == lines_per_block:
+                    self.chunks.append(_Chunk(start, end, before, rows, frozenset(skip), frozenset(duplicates)))
+                    start, before, rows, skip, duplicates = end, line, 0, set(), set()
+        if rows:
+            self.chunks.append(_Chunk(start, end, before, rows, frozenset(skip), frozenset(duplicates)))
+
+    def estimate_inmemory_data_size(self) -> int:
+        return sum(c.end - c.start for c in self.chunks)
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
+        return [ReadTask(functools.partial(self._read, c), BlockMetadata(c.num_rows, c.end - c.start, None, None,
+                                                                         input_files=(self.path,)))
+                for c in self.chunks]
+
+    def _read(self, chunk: _Chunk) -> list[pa.Table]:
+        rows: dict[str, list] = {"line": [], "text": [], "duplicate": []}
+        with _open_input(self.path, chunk.start) as f:
+            for n, text, _ in iter_lines(_Prefix(f, chunk.end - chunk.start), max_line_bytes=self.max_line_bytes):
+                line = chunk.first_line + n
+                if line in chunk.skip:
+                    continue
+                rows["line"].append(line)
+                rows["text"].append(text)
+                rows["duplicate"].append(line in chunk.duplicates)
+        return [pa.table(rows, schema=_LINES)]
+
+
+_LINES = pa.schema([("line", pa.int64()), ("text", pa.string()), ("duplicate", pa.bool_())])
+
+
+class _Prefix(io.RawIOBase):
+    """The first `n` bytes of a binary stream (a chunk's range)."""
+
+    def __init__(self, f, n: int):
+        self._f, self._left = f, n
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self._f.read(min(len(b), self._left))
+        b[:len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+
+def _open_input(path: str, offset: int = 0):
+    """A buffered binary reader of `path` (a local path or a URI pyarrow opens) from byte `offset`."""
+    if "://" not in path:
+        f = open(path, "rb")
+        f.seek(offset)
+        return f
+    import pyarrow.fs
+
+    fs, inner = pyarrow.fs.FileSystem.from_uri(path)
+    raw = fs.open_input_file(inner)
+    raw.seek(offset)
+    return io.BufferedReader(raw)
 
 
 def _claim_cores(n: int) -> list[int] | None:
@@ -177,8 +242,10 @@ def dataset(input_path: str, resume: Resume, options: RayOptions, llm_kwargs: di
     Call after `ray.init`."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    # The read task reserves no CPU: it is light, and where the actors hold every CPU it would never start.
-    lines = ray.data.read_datasource(JsonlLines(input_path, max_line_bytes, options.batch_lines, resume), num_cpus=0)
+    # One read task at a time, reserving no CPU: reading is light next to generating, a read worker imports the
+    # engine package (jax: ~2 s), and where the actors hold every CPU a read task that asks for one never starts.
+    lines = ray.data.read_datasource(JsonlLines(input_path, max_line_bytes, options.batch_lines, resume), num_cpus=0,
+                                     concurrency=1)
     cores = int(options.cpus_per_actor) if not options.gpus_per_actor and options.cpus_per_actor >= 1 else 0
     return lines.map_batches(
         EngineActor, batch_size=options.batch_lines, batch_format="pyarrow",
