@@ -21,11 +21,13 @@ import hashlib
 import json
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.outputs import RequestOutput
-from engine.scoring import ScoreOutput
 from scheduler.request import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.scoring import ScoreOutput
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 _GENERATE_FIELDS = {"id", "prompt", "messages", "token_ids", "priority", "request_class", *SAMPLING_FIELDS}

@@ -249,7 +249,11 @@ def dataset(input_path: str, resume: Resume, options: RayOptions, llm_kwargs: di
     cores = int(options.cpus_per_actor) if not options.gpus_per_actor and options.cpus_per_actor >= 1 else 0
     return lines.map_batches(
         EngineActor, batch_size=options.batch_lines, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=options.actors),
+        # One block at a time per actor: an actor that starts first would otherwise queue blocks that an actor
+        # still loading its model could run. With one block at a time there is nothing to overlap a call with, so
+        # the engine steps on the actor's main thread, where it was built (not Ray Data's second thread).
+        compute=ray.data.ActorPoolStrategy(size=options.actors, max_tasks_in_flight_per_actor=1,
+                                           enable_true_multi_threading=True),
         fn_constructor_kwargs=dict(llm_kwargs=llm_kwargs, mode=mode, max_inflight=max_inflight,
                                    score_stride=score_stride, model_name=model_name, max_line_bytes=max_line_bytes,
                                    cores=cores, compilation_cache_dir=compilation_cache_dir),
