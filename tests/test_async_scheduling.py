@@ -99,3 +99,30 @@ def test_abort_while_a_step_is_in_flight():
     assert len(drop.output_token_ids) == 2 and drop.finish_reason.value == "abort"
     engine.step()  # reads back the last step dispatched ahead, if any
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+def test_a_stop_string_found_while_the_next_step_is_in_flight():
+    llm = _engine(True, num_blocks=48)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPTS[3], PROMPTS[4]], greedy)
+    text = alone[1].text
+    # A character that first appears at position k >= 2 of the greedy text: the stop string ends the output there.
+    k = next(k for k in range(2, len(text)) if text[k].isascii() and text[k].isprintable() and text[k] not in text[:k])
+    keep = engine.add_request(PROMPTS[3], greedy)
+    stopped = engine.add_request(PROMPTS[4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             stop=(text[k],)))
+    ahead_when_stopped = None
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            if out.request_id == stopped.request_id and out.finished:
+                ahead_when_stopped = engine._ahead  # the step dispatched before this read-back
+    assert ahead_when_stopped is not None and stopped.request_id in ahead_when_stopped[2]  # it had a row there
+    final = outs[stopped.request_id][-1]
+    assert final.finish_reason == "stop" and final.text == text[:k]
+    assert "".join(o.delta_text for o in outs[stopped.request_id]) == text[:k]
+    assert keep.output_token_ids == alone[0].token_ids
+    engine.step()  # reads back the step dispatched ahead, if any
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
