@@ -131,6 +131,18 @@ def test_a_killed_driver_resumes_where_it_stopped(tmp_path, cluster):
     _same(tmp_path, "out.jsonl", "local.jsonl")
 
 
+def test_an_actor_that_cannot_start_ends_the_job_with_the_reason(tmp_path, cluster):
+    env, cache = cluster
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": 1, "prompt": "x"}\n')
+    cmd = [sys.executable, "-m", "engine.batch", f"--input={src}", f"--output={tmp_path / 'o.jsonl'}", *FLAGS, cache,
+           *RAY, "--model=no-such-model"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert any(line.startswith("error: the Ray job failed: ValueError: cannot load model 'no-such-model'")
+               for line in out.stderr.splitlines()), out.stderr[-3000:]
+
+
 def _records_whole(path):
     return [line for line in open(path, "rb") if line.endswith(b"\n")]
 

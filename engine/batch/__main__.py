@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -252,6 +253,9 @@ def _ray() -> int:
     except OSError as e:
         return _fail_usage(f"writing {FLAGS.output}: {e}; the records written are safe in it: make room and rerun "
                            "the same command to resume", EXIT_IO)
+    except ray.exceptions.RayError as e:  # an actor that cannot start (a bad model or limits): say why in one line
+        raised = [line for line in str(e).splitlines() if re.match(r"\w+(Error|Exception): ", line)]
+        return _fail_usage(f"the Ray job failed: {(raised or str(e).splitlines() or [type(e).__name__])[-1]}")
     summary.wall_s = time.perf_counter() - t0
     print(summary.line(), file=sys.stderr)
     if FLAGS.summary_json:

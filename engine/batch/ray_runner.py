@@ -3,10 +3,11 @@
   python -m engine.batch --runner=ray --input=... --output=... [--ray_actors=N]
 
 The input (a local path or any URI pyarrow opens: s3://, gs://, hdfs://)
-is read by one streaming Ray Data read task (`JsonlLines`): it numbers the
-lines, drops those an earlier run already wrote (resume), and marks lines
-that repeat an earlier line's id, as the single-process job's reader does.
-Blocks of `--ray_batch_lines` lines go to an actor pool (`EngineActor`,
+is a Ray Data datasource (`JsonlLines`): one pass over it on the driver
+numbers the lines, drops those an earlier run already wrote (resume), marks
+lines that repeat an earlier line's id, as the single-process job does, and
+cuts it into byte ranges of `--ray_batch_lines` lines, each read by a task
+of its own. The blocks go to an actor pool (`EngineActor`,
 each owning one `engine.LLM` on `--ray_cpus_per_actor` cores or
 `--ray_gpus_per_actor` GPUs); each actor runs a whole block through the
 same `BatchJob` as `python -m engine.batch` (same parser, validation,
@@ -28,6 +29,7 @@ import fcntl
 import functools
 import io
 import os
+
 import pyarrow as pa
 import ray
 from ray.data.block import BlockMetadata
@@ -242,8 +244,9 @@ def dataset(input_path: str, resume: Resume, options: RayOptions, llm_kwargs: di
     Call after `ray.init`."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    # One read task at a time, reserving no CPU: reading is light next to generating, a read worker imports the
-    # engine package (jax: ~2 s), and where the actors hold every CPU a read task that asks for one never starts.
+    # One read task at a time, reserving no CPU: reading is light next to generating, each read task running at
+    # once is a worker process to start, and where the actors hold every CPU a read task that asks for one never
+    # starts.
     lines = ray.data.read_datasource(JsonlLines(input_path, max_line_bytes, options.batch_lines, resume), num_cpus=0,
                                      concurrency=1)
     cores = int(options.cpus_per_actor) if not options.gpus_per_actor and options.cpus_per_actor >= 1 else 0
@@ -283,6 +286,7 @@ def open_output(path: str, append: bool):
 
 
 def input_exists(path: str) -> bool:
+    """Whether `path` (a local path or a URI pyarrow opens) is a file."""
     if "://" not in path:
         return os.path.isfile(path)
     import pyarrow.fs
