@@ -147,12 +147,16 @@ def _open_input(path: str, offset: int = 0):
 
 def _claim_cores(n: int) -> list[int] | None:
     """Pins this process to a free slice of `n` of its cores, held (by a file lock released when the process
-    ends) against the other actors on this host; None (unpinned) when every slice is taken. Ray reserves CPU
-    counts, not cores: without this, two actors' thread pools would each span every core."""
+    ends) against the other actors on this host; None (unpinned) when every slice is taken or the lock folder
+    cannot be used (another user's). Ray reserves CPU counts, not cores: without this, two actors' thread pools
+    would each span every core."""
     cores = sorted(os.sched_getaffinity(0))
-    os.makedirs(_CORE_LOCKS, exist_ok=True)
     for i in range(len(cores) // n):
-        fd = os.open(os.path.join(_CORE_LOCKS, f"slice-{n}-{i}"), os.O_CREAT | os.O_RDWR)
+        try:
+            os.makedirs(_CORE_LOCKS, exist_ok=True)
+            fd = os.open(os.path.join(_CORE_LOCKS, f"slice-{n}-{i}"), os.O_CREAT | os.O_RDWR, 0o666)
+        except OSError:
+            return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
